@@ -1,0 +1,101 @@
+"""Argument checks shared by the public entry points: every bad input fails here, by name."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+BACKENDS = ("auto", "triton", "torch")
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+TORCH_DTYPES = (*TRITON_DTYPES, torch.float64)
+MIN_HEAD_DIM, MAX_HEAD_DIM = 8, 256
+
+
+def triton_interpreter_enabled() -> bool:
+    """True when Triton's CPU interpreter is switched on (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
+
+
+def check_attention_args(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    window: int | None,
+    scale: float | None,
+    backend: str,
+) -> tuple[float, str]:
+    """Validate q (B, Hq, N, D), k and v (B, Hkv, M, D) and the options.
+
+    Returns (scale, backend) with the defaults resolved: scale = D ** -0.5 and "auto" mapped to
+    "triton" for CUDA tensors and "torch" otherwise. Raises TypeError or ValueError naming the
+    offending argument and the expected value.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D (batch, heads, seq, head_dim), got shape {tuple(t.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    batch, heads_q, n_queries, head_dim = q.shape
+    if k.shape[0] != batch:
+        raise ValueError(f"k and v must have batch {batch} like q, got {k.shape[0]}")
+    if k.shape[3] != head_dim:
+        raise ValueError(f"k and v must have head_dim {head_dim} like q, got {k.shape[3]}")
+    heads_kv = k.shape[1]
+    if heads_kv == 0 or heads_q % heads_kv != 0:
+        raise ValueError(
+            f"q heads ({heads_q}) must be a multiple of k/v heads ({heads_kv}) for grouped-query attention"
+        )
+    if n_queries == 0 or k.shape[2] == 0:
+        raise ValueError(f"q and k need at least one position, got N={n_queries}, M={k.shape[2]}")
+    if not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}], got {head_dim}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+    if window is not None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be a positive int or None, got {window!r}")
+        if not causal:
+            raise ValueError("window requires causal=True (a sliding window looks back from each query)")
+    if scale is None:
+        scale = head_dim**-0.5
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be a positive finite float or None, got {scale!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        backend = "triton" if q.is_cuda else "torch"
+    if backend == "torch" and q.dtype not in TORCH_DTYPES:
+        raise TypeError(f"backend='torch' supports dtypes {TORCH_DTYPES}, got {q.dtype}")
+    if backend == "triton":
+        if q.dtype not in TRITON_DTYPES:
+            raise TypeError(f"backend='triton' supports dtypes {TRITON_DTYPES}, got {q.dtype}")
+        if not q.is_cuda and not (q.device.type == "cpu" and triton_interpreter_enabled()):
+            raise ValueError(
+                f"backend='triton' needs CUDA tensors (or CPU tensors with TRITON_INTERPRET=1 set before "
+                f"kernels is imported), got device {q.device}; use backend='torch' on the CPU"
+            )
+    return float(scale), backend
+
+
+def check_like(name: str, t: torch.Tensor | None, like: torch.Tensor, shape: tuple[int, ...]) -> None:
+    """Check that an extra stage input (dout, out, cotangent, ...) has the expected shape, dtype, device."""
+    if t is None:
+        return
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    if t.device != like.device:
+        raise ValueError(f"{name} must be on {like.device}, got {t.device}")
+    if t.dtype != like.dtype:
+        raise TypeError(f"{name} must have dtype {like.dtype}, got {t.dtype}")
