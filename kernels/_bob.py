@@ -1,0 +1,180 @@
+"""Triton backward-over-backward (FlashBoB) kernels.
+
+Notation of the design notes: P, dP = dO V^T, dS = P*(dP - delta), G = s*(U_Q K^T + Q U_K^T),
+W = dO U_V^T, and the two row scalars c = rowsum(P*G), e = rowsum(P*G_P).
+
+Row kernel, one sweep over keys per query block. Every output of a row is affine in c and e, so it
+accumulates the pieces and combines them once the sweep has found c and e:
+    c   = sum rowsum(P*G)
+    e   = sum rowsum(P*W + P*G*dP) - 2*c*delta
+    Q̄   = s*sum[(P*W + P*G*(dP-delta)) K + dS U_K] - c*dQ - s*(c*delta + e)*sum[P K]
+    dŌ  = sum[P U_V + (P*G) V] - c*O
+using sum[(P*dP) K] = dQ/s + delta*sum[P K] (dQ from the first backward) and sum[P V] = O.
+Column kernel, one program per key block (no atomics, deterministic), with c and e known:
+    K̄ = s*sum[G_S^T Q + dS^T U_Q],   V̄ = sum[G_dP^T dO],
+    G_S = P*(W + G*(dP-delta) - c*dP - e),   G_dP = P*(G - c).
+Absent cotangents are compile-time flags: their products are never issued.
+"""
+
+import triton
+import triton.language as tl
+
+from ._tiles import key_range, load_tile, lse_log2, query_range, store_tile, visible
+
+
+@triton.jit
+def attention_bob_rows_kernel(
+    Q, K, V, O, DO, DQ, UQ, UK, UV, Lse, Delta, GQ, GDO, C, E,
+    sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, sdob, sdoh, sdon,
+    sdqb, sdqh, sdqn, suqb, suqh, suqn, sukb, sukh, sukn, suvb, suvh, suvn, sgb, sgh, sgn,
+    N, M, HEADS_Q, GROUP, OFFSET, WINDOW, qk_scale_log2, scale,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr,
+    HAS_UV: tl.constexpr, HAS_G: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One program: BLOCK_M query rows of one (batch, query head); writes Q̄, dŌ, c, e.
+    Grid (cdiv(N, BLOCK_M), B * Hq). GQ and GDO share strides (fresh contiguous buffers)."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // HEADS_Q).to(tl.int64)
+    h = (pid_bh % HEADS_Q).to(tl.int64)
+    hk = h // GROUP
+    row = pid_bh.to(tl.int64) * N
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    k_base = K + b * skb + hk * skh
+    v_base = V + b * svb + hk * svh
+    uk_base = UK + b * sukb + hk * sukh
+    uv_base = UV + b * suvb + hk * suvh
+
+    q = load_tile(Q + b * sqb + h * sqh, offs_m, offs_d, sqn, N, HEAD_DIM)
+    do = load_tile(DO + b * sdob + h * sdoh, offs_m, offs_d, sdon, N, HEAD_DIM)
+    if HAS_UQ:
+        uq = load_tile(UQ + b * suqb + h * suqh, offs_m, offs_d, suqn, N, HEAD_DIM)
+    lse2 = lse_log2(Lse + row, offs_m, N)
+    delta = tl.load(Delta + row + offs_m, mask=offs_m < N, other=0.0)
+
+    acc_q = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)    # sum (P*W + P*G*(dP-delta)) K + dS U_K
+    acc_pk = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)   # sum P K
+    acc_do = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)   # sum P U_V + (P*G) V
+    c = tl.zeros([BLOCK_M], tl.float32)
+    t = tl.zeros([BLOCK_M], tl.float32)                 # sum rowsum(P*W + P*G*dP)
+    lo, hi = key_range(start_m, M, OFFSET, WINDOW, CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + offs_n0
+        k = load_tile(k_base, offs_n, offs_d, skn, M, HEAD_DIM)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale_log2
+        p = tl.exp2(s - lse2[:, None])
+        p = tl.where(visible(offs_m, offs_n, N, M, OFFSET, WINDOW, CAUSAL, HAS_WINDOW), p, 0.0)
+        x = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)    # P*W + P*G*(dP-delta)
+        if HAS_UV:
+            uv = load_tile(uv_base, offs_n, offs_d, suvn, M, HEAD_DIM)
+            pw = p * tl.dot(do, tl.trans(uv), input_precision=PRECISION)
+            x += pw
+            t += tl.sum(pw, 1)
+            acc_do = tl.dot(p.to(uv.dtype), uv, acc_do, input_precision=PRECISION)
+        if HAS_G:
+            v = load_tile(v_base, offs_n, offs_d, svn, M, HEAD_DIM)
+            dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+            g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            if HAS_UQ:
+                g = tl.dot(uq, tl.trans(k), g, input_precision=PRECISION)
+            if HAS_UK:
+                uk = load_tile(uk_base, offs_n, offs_d, sukn, M, HEAD_DIM)
+                g = tl.dot(q, tl.trans(uk), g, input_precision=PRECISION)
+            pg = p * (g * scale)
+            c += tl.sum(pg, 1)
+            t += tl.sum(pg * dp, 1)
+            x += pg * (dp - delta[:, None])
+            acc_do = tl.dot(pg.to(v.dtype), v, acc_do, input_precision=PRECISION)
+            if HAS_UK:
+                ds = p * (dp - delta[:, None])
+                acc_q = tl.dot(ds.to(uk.dtype), uk, acc_q, input_precision=PRECISION)
+        acc_q = tl.dot(x.to(k.dtype), k, acc_q, input_precision=PRECISION)
+        acc_pk = tl.dot(p.to(k.dtype), k, acc_pk, input_precision=PRECISION)
+
+    e = t - 2.0 * c * delta
+    gq = acc_q * scale - (scale * (c * delta + e))[:, None] * acc_pk
+    if HAS_G:
+        dq = load_tile(DQ + b * sdqb + h * sdqh, offs_m, offs_d, sdqn, N, HEAD_DIM).to(tl.float32)
+        o = load_tile(O + b * sob + h * soh, offs_m, offs_d, son, N, HEAD_DIM).to(tl.float32)
+        gq -= c[:, None] * dq
+        acc_do -= c[:, None] * o
+    store_tile(GQ + b * sgb + h * sgh, gq, offs_m, offs_d, sgn, N, HEAD_DIM)
+    store_tile(GDO + b * sgb + h * sgh, acc_do, offs_m, offs_d, sgn, N, HEAD_DIM)
+    tl.store(C + row + offs_m, c, mask=offs_m < N)
+    tl.store(E + row + offs_m, e, mask=offs_m < N)
+
+
+@triton.jit
+def attention_bob_cols_kernel(
+    Q, K, V, DO, UQ, UK, UV, Lse, Delta, C, E, GK, GV,
+    sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdon,
+    suqb, suqh, suqn, sukb, sukh, sukn, suvb, suvh, suvn, sgb, sgh, sgn,
+    N, M, HEADS_Q, HEADS_KV, GROUP, OFFSET, WINDOW, qk_scale_log2, scale,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr,
+    HAS_UV: tl.constexpr, HAS_G: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One program: BLOCK_N keys of one (batch, kv head), summing over its GROUP query heads;
+    writes K̄ and V̄. Grid (cdiv(M, BLOCK_N), B * Hkv). GK and GV share strides."""
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // HEADS_KV).to(tl.int64)
+    hk = (pid_bh % HEADS_KV).to(tl.int64)
+    start_n = pid_n * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_m0 = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    k = load_tile(K + b * skb + hk * skh, offs_n, offs_d, skn, M, HEAD_DIM)
+    if HAS_G:
+        v = load_tile(V + b * svb + hk * svh, offs_n, offs_d, svn, M, HEAD_DIM)
+    if HAS_UK:
+        uk = load_tile(UK + b * sukb + hk * sukh, offs_n, offs_d, sukn, M, HEAD_DIM)
+    if HAS_UV:
+        uv = load_tile(UV + b * suvb + hk * suvh, offs_n, offs_d, suvn, M, HEAD_DIM)
+    acc_k = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    acc_v = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    lo, hi = query_range(start_n, N, OFFSET, WINDOW, CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N)
+    for g_head in range(0, GROUP):
+        h = hk * GROUP + g_head
+        row = (b * HEADS_Q + h) * N
+        q_base = Q + b * sqb + h * sqh
+        do_base = DO + b * sdob + h * sdoh
+        uq_base = UQ + b * suqb + h * suqh
+        for start_m in range(lo, hi, BLOCK_M):
+            offs_m = start_m + offs_m0
+            q = load_tile(q_base, offs_m, offs_d, sqn, N, HEAD_DIM)
+            lse2 = lse_log2(Lse + row, offs_m, N)
+            e = tl.load(E + row + offs_m, mask=offs_m < N, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale_log2
+            p = tl.exp2(s - lse2[:, None])
+            p = tl.where(visible(offs_m, offs_n, N, M, OFFSET, WINDOW, CAUSAL, HAS_WINDOW), p, 0.0)
+            gp = tl.zeros([BLOCK_M, BLOCK_N], tl.float32) - e[:, None]    # G_P - e
+            if HAS_UV or HAS_G:
+                do = load_tile(do_base, offs_m, offs_d, sdon, N, HEAD_DIM)
+            if HAS_UV:
+                gp += tl.dot(do, tl.trans(uv), input_precision=PRECISION)
+            if HAS_G:
+                delta = tl.load(Delta + row + offs_m, mask=offs_m < N, other=0.0)
+                c = tl.load(C + row + offs_m, mask=offs_m < N, other=0.0)
+                dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+                g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                if HAS_UQ:
+                    uq = load_tile(uq_base, offs_m, offs_d, suqn, N, HEAD_DIM)
+                    g = tl.dot(uq, tl.trans(k), g, input_precision=PRECISION)
+                if HAS_UK:
+                    g = tl.dot(q, tl.trans(uk), g, input_precision=PRECISION)
+                g = g * scale
+                gp += g * (dp - delta[:, None]) - c[:, None] * dp
+                g_dp = p * (g - c[:, None])
+                acc_v = tl.dot(tl.trans(g_dp.to(do.dtype)), do, acc_v, input_precision=PRECISION)
+                if HAS_UQ:
+                    ds = p * (dp - delta[:, None])
+                    acc_k = tl.dot(tl.trans(ds.to(uq.dtype)), uq, acc_k, input_precision=PRECISION)
+            g_s = p * gp
+            acc_k = tl.dot(tl.trans(g_s.to(q.dtype)), q, acc_k, input_precision=PRECISION)
+    store_tile(GK + b * sgb + hk * sgh, acc_k * scale, offs_n, offs_d, sgn, M, HEAD_DIM)
+    store_tile(GV + b * sgb + hk * sgh, acc_v, offs_n, offs_d, sgn, M, HEAD_DIM)

@@ -1,0 +1,73 @@
+"""Triton helpers shared by the attention kernels: pointers to tiles, masks, and the ranges of
+tiles a mask leaves visible (so that fully masked tiles are never visited)."""
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def tile_ptrs(base, offs_rows, offs_d, stride_row):
+    """Pointers to a (rows, BLOCK_D) tile of a row-major (seq, head_dim) slice."""
+    return base + offs_rows[:, None] * stride_row + offs_d[None, :]
+
+
+@triton.jit
+def load_tile(base, offs_rows, offs_d, stride_row, n_rows, HEAD_DIM: tl.constexpr):
+    """Load a (rows, BLOCK_D) tile, zero-filled past n_rows and past HEAD_DIM."""
+    mask = (offs_rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM)
+    return tl.load(tile_ptrs(base, offs_rows, offs_d, stride_row), mask=mask, other=0.0)
+
+
+@triton.jit
+def store_tile(base, value, offs_rows, offs_d, stride_row, n_rows, HEAD_DIM: tl.constexpr):
+    """Store a (rows, BLOCK_D) tile, skipping rows past n_rows and columns past HEAD_DIM."""
+    mask = (offs_rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM)
+    tl.store(tile_ptrs(base, offs_rows, offs_d, stride_row), value.to(base.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def visible(offs_m, offs_n, N, M, OFFSET, WINDOW, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """(BLOCK_M, BLOCK_N) mask: True where query offs_m may attend to key offs_n (both in range)."""
+    mask = (offs_m[:, None] < N) & (offs_n[None, :] < M)
+    if CAUSAL:
+        mask = mask & (offs_n[None, :] <= offs_m[:, None] + OFFSET)
+        if HAS_WINDOW:
+            mask = mask & (offs_n[None, :] > offs_m[:, None] + OFFSET - WINDOW)
+    return mask
+
+
+@triton.jit
+def key_range(start_m, M, OFFSET, WINDOW, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[lo, hi): the keys that rows start_m .. start_m + BLOCK_M - 1 may see; lo is BLOCK_N-aligned."""
+    lo = 0
+    hi = M
+    if CAUSAL:
+        hi = tl.minimum(M, start_m + BLOCK_M + OFFSET)
+        if HAS_WINDOW:
+            lo = tl.maximum(0, start_m + OFFSET - WINDOW + 1)
+            lo = (lo // BLOCK_N) * BLOCK_N
+    return lo, hi
+
+
+@triton.jit
+def query_range(start_n, N, OFFSET, WINDOW, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[lo, hi): the queries that may see keys start_n .. start_n + BLOCK_N - 1; lo is BLOCK_M-aligned."""
+    lo = 0
+    hi = N
+    if CAUSAL:
+        lo = tl.maximum(0, start_n - OFFSET)
+        lo = (lo // BLOCK_M) * BLOCK_M
+        if HAS_WINDOW:
+            hi = tl.minimum(N, start_n + BLOCK_N - 1 - OFFSET + WINDOW)
+    return lo, hi
+
+
+@triton.jit
+def lse_log2(lse_ptr, offs_m, N):
+    """Row log-sum-exp in base 2, +inf on rows that see no key (so exp2(s - lse) is 0 there)."""
+    lse = tl.load(lse_ptr + offs_m, mask=offs_m < N, other=float("inf"))
+    return tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)

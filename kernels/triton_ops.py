@@ -1,0 +1,147 @@
+"""Launchers of the Triton kernels: check layouts, allocate outputs, pick tiles, launch.
+
+Each stage (forward, first backward, backward-over-backward) is one function taking and returning
+plain tensors; `kernels.autograd` chains them. Inputs need unit stride in the head dimension (other
+strides are passed through, so transposed (B, N, H, D) views need no copy).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from . import tiling
+from ._backward import attention_backward_dkdv_kernel, attention_backward_dq_kernel, row_dot_kernel
+from ._bob import attention_bob_cols_kernel, attention_bob_rows_kernel
+from ._forward import attention_forward_kernel
+from ._tiles import LOG2E
+
+POISON_OUTPUTS = False
+"""Tests set this to fill every buffer a launcher allocates with NaN, so an unwritten element shows."""
+
+
+def _empty(shape, dtype, device) -> torch.Tensor:
+    buf = torch.empty(shape, dtype=dtype, device=device)
+    return buf.fill_(float("nan")) if POISON_OUTPUTS else buf
+
+
+def _unit_last(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _strides(t: torch.Tensor) -> tuple[int, int, int]:
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # float32 inputs get full float32 products: TF32 would cost ~1e-3 relative error.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _mask_args(causal: bool, window: int | None, n: int, m: int) -> dict:
+    return {"OFFSET": m - n, "WINDOW": window or 0, "CAUSAL": causal, "HAS_WINDOW": window is not None}
+
+
+def row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """rowsum(a * b) in float32. a, b: (B, H, N, D) -> (B, H, N)."""
+    batch, heads, n, d = a.shape
+    out = _empty((batch, heads, n), torch.float32, a.device)
+    block_m = 64 if a.is_cuda else 16
+    grid = (triton.cdiv(n, block_m), batch * heads)
+    row_dot_kernel[grid](
+        a, b, out, *_strides(a), *_strides(b), n, heads,
+        HEAD_DIM=d, BLOCK_M=block_m, BLOCK_D=tiling.block_d(d),
+    )
+    return out
+
+
+def forward(q, k, v, *, causal: bool, window: int | None, scale: float):
+    """q: (B, Hq, N, D); k, v: (B, Hkv, M, D). Returns out (B, Hq, N, D) and lse (B, Hq, N) float32."""
+    q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+    batch, heads_q, n, d = q.shape
+    heads_kv, m = k.shape[1], k.shape[2]
+    out = _empty(q.shape, q.dtype, q.device)
+    lse = _empty((batch, heads_q, n), torch.float32, q.device)
+    cfg = tiling.choose("forward", q)
+    grid = (triton.cdiv(n, cfg["BLOCK_M"]), batch * heads_q)
+    attention_forward_kernel[grid](
+        q, k, v, out, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
+        n, m, heads_q, heads_q // heads_kv, qk_scale_log2=scale * LOG2E,
+        **_mask_args(causal, window, n, m), HEAD_DIM=d, PRECISION=_precision(q.dtype), **cfg,
+    )
+    return out, lse
+
+
+def backward(q, k, v, out, lse, dout, *, causal: bool, window: int | None, scale: float):
+    """First backward. Returns (dq, dk, dv) shaped like (q, k, v)."""
+    q, k, v, out, dout = (_unit_last(t) for t in (q, k, v, out, dout))
+    lse = lse.contiguous()
+    batch, heads_q, n, d = q.shape
+    heads_kv, m = k.shape[1], k.shape[2]
+    group = heads_q // heads_kv
+    delta = row_dot(dout, out)
+    dq = _empty(q.shape, q.dtype, q.device)
+    dk = _empty(k.shape, k.dtype, k.device)
+    dv = _empty(k.shape, k.dtype, k.device)
+    common = dict(
+        qk_scale_log2=scale * LOG2E, scale=scale, **_mask_args(causal, window, n, m),
+        HEAD_DIM=d, PRECISION=_precision(q.dtype),
+    )
+    cfg = tiling.choose("backward_kv", q)
+    attention_backward_dkdv_kernel[(triton.cdiv(m, cfg["BLOCK_N"]), batch * heads_kv)](
+        q, k, v, dout, lse, delta, dk, dv,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dk),
+        n, m, heads_q, heads_kv, group, **common, **cfg,
+    )
+    cfg = tiling.choose("backward_q", q)
+    attention_backward_dq_kernel[(triton.cdiv(n, cfg["BLOCK_M"]), batch * heads_q)](
+        q, k, v, dout, lse, delta, dq,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dq),
+        n, m, heads_q, group, **common, **cfg,
+    )
+    return dq, dk, dv
+
+
+def bob(q, k, v, out, lse, dout, dq, u_q, u_k, u_v, *, causal: bool, window: int | None, scale: float):
+    """Backward-over-backward. Cotangents u_q (like q), u_k, u_v (like k) may be None.
+    Returns (grad_q, grad_k, grad_v, grad_dout) shaped like (q, k, v, dout)."""
+    q, k, v, out, dout, dq = (_unit_last(t) for t in (q, k, v, out, dout, dq))
+    u_q, u_k, u_v = (None if t is None else _unit_last(t.to(q.dtype)) for t in (u_q, u_k, u_v))
+    lse = lse.contiguous()
+    batch, heads_q, n, d = q.shape
+    heads_kv, m = k.shape[1], k.shape[2]
+    group = heads_q // heads_kv
+    if u_q is None and u_k is None and u_v is None:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(dout)
+    flags = dict(HAS_UQ=u_q is not None, HAS_UK=u_k is not None, HAS_UV=u_v is not None,
+                 HAS_G=u_q is not None or u_k is not None)
+    # Absent cotangents are never read (their flag is off): any tensor stands in for the pointer.
+    u_q_ = q if u_q is None else u_q
+    u_k_ = k if u_k is None else u_k
+    u_v_ = k if u_v is None else u_v
+    delta = row_dot(dout, out)
+    row_c = _empty((batch, heads_q, n), torch.float32, q.device)
+    row_e = _empty((batch, heads_q, n), torch.float32, q.device)
+    grad_q = _empty(q.shape, q.dtype, q.device)
+    grad_dout = _empty(q.shape, q.dtype, q.device)
+    grad_k = _empty(k.shape, k.dtype, k.device)
+    grad_v = _empty(k.shape, k.dtype, k.device)
+    common = dict(
+        qk_scale_log2=scale * LOG2E, scale=scale, **_mask_args(causal, window, n, m), **flags,
+        HEAD_DIM=d, PRECISION=_precision(q.dtype),
+    )
+    cfg = tiling.choose("bob_rows", q, **flags)
+    attention_bob_rows_kernel[(triton.cdiv(n, cfg["BLOCK_M"]), batch * heads_q)](
+        q, k, v, out, dout, dq, u_q_, u_k_, u_v_, lse, delta, grad_q, grad_dout, row_c, row_e,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(out), *_strides(dout), *_strides(dq),
+        *_strides(u_q_), *_strides(u_k_), *_strides(u_v_), *_strides(grad_q),
+        n, m, heads_q, group, **common, **cfg,
+    )
+    cfg = tiling.choose("bob_cols", q, **flags)
+    attention_bob_cols_kernel[(triton.cdiv(m, cfg["BLOCK_N"]), batch * heads_kv)](
+        q, k, v, dout, u_q_, u_k_, u_v_, lse, delta, row_c, row_e, grad_k, grad_v,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(dout),
+        *_strides(u_q_), *_strides(u_k_), *_strides(u_v_), *_strides(grad_k),
+        n, m, heads_q, heads_kv, group, **common, **cfg,
+    )
+    return grad_q, grad_k, grad_v, grad_dout
