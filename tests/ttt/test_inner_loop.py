@@ -1,0 +1,202 @@
+"""The inner-loop engine against closed forms, float64 finite differences and torch.optim."""
+
+import pytest
+import torch
+from torch import nn
+
+from ttt.inner import InnerLoop, InnerLoopConfig, functional_forward, meta_step, select_parameters
+from ttt.inner.loop import clip_by_global_norm
+
+
+def _quadratic(dim=4, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    root = torch.randn(dim, dim, dtype=torch.float64, generator=gen)
+    curvature = root @ root.t() / dim + torch.eye(dim, dtype=torch.float64)
+    return (
+        curvature,
+        torch.randn(dim, dtype=torch.float64, generator=gen),
+        torch.randn(dim, dtype=torch.float64, generator=gen),
+    )
+
+
+def test_sgd_on_a_quadratic_matches_the_closed_form_second_order_gradient():
+    curvature, minimum, target = _quadratic()
+    w0 = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    lr, steps = 0.3, 3
+    loop = InnerLoop({"w": w0}, InnerLoopConfig(steps=steps, lr=lr))
+    inner = lambda p, step: 0.5 * (p["w"] - minimum) @ curvature @ (p["w"] - minimum)  # noqa: E731
+    adapted = loop.adapt(inner, {"w": w0}).params["w"]
+    transition = torch.linalg.matrix_power(torch.eye(4, dtype=torch.float64) - lr * curvature, steps)
+    torch.testing.assert_close(adapted, minimum + transition @ (w0 - minimum), rtol=0, atol=1e-14)
+    (grad,) = torch.autograd.grad(0.5 * (adapted - target).square().sum(), w0)
+    torch.testing.assert_close(grad, transition.t() @ (adapted - target), rtol=0, atol=1e-14)
+
+    first_order = InnerLoop({"w": w0}, InnerLoopConfig(steps=steps, lr=lr, first_order=True))
+    fo_adapted = first_order.adapt(inner, {"w": w0}).params["w"]
+    (fo_grad,) = torch.autograd.grad(0.5 * (fo_adapted - target).square().sum(), w0)
+    torch.testing.assert_close(fo_grad, adapted.detach() - target, rtol=0, atol=1e-14)
+    assert (fo_grad - grad).abs().max() > 1e-2
+
+
+def _tiny_problem():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2)).double()
+    x, y = torch.randn(6, 3, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
+    xq, yq = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
+    return model, (x, y), (xq, yq)
+
+
+def _outer_loss(problem, cfg, flat_override=None):
+    """Outer loss after adapting, optionally starting from the flat vector `flat_override`."""
+    model, (x, y), (xq, yq) = problem
+    params = select_parameters(model, cfg.params)
+    if flat_override is not None:
+        sizes = [p.numel() for p in params.values()]
+        params = {n: t.view_as(p) for (n, p), t in zip(params.items(), flat_override.split(sizes))}
+    loop = InnerLoop(params, cfg)
+    inner = lambda p, step: (functional_forward(model, p, x) - y).square().mean()  # noqa: E731
+    adapted = loop.adapt(inner, params).params
+    return (functional_forward(model, adapted, xq) - yq).square().mean(), params
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "momentum", "adam"])
+@pytest.mark.parametrize("checkpoint", [False, True], ids=["stored", "checkpointed"])
+def test_second_order_gradient_matches_float64_finite_differences(optimizer, checkpoint):
+    problem = _tiny_problem()
+    cfg = InnerLoopConfig(
+        params=["0.*", "2.weight"], steps=3, lr=0.05, optimizer=optimizer, checkpoint=checkpoint
+    )
+    loss, params = _outer_loss(problem, cfg)
+    analytic = torch.cat([g.flatten() for g in torch.autograd.grad(loss, list(params.values()))])
+    flat = torch.cat([p.detach().flatten() for p in params.values()])
+    numeric = torch.empty_like(flat)
+    h = 1e-6
+    for i in range(flat.numel()):
+        step = torch.zeros_like(flat)
+        step[i] = h
+        plus, _ = _outer_loss(problem, cfg, flat + step)
+        minus, _ = _outer_loss(problem, cfg, flat - step)
+        numeric[i] = (plus - minus).detach() / (2 * h)
+    torch.testing.assert_close(analytic, numeric, rtol=1e-6, atol=1e-8)
+
+    fo_cfg = InnerLoopConfig(**{**cfg.__dict__, "first_order": True})
+    fo_loss, fo_params = _outer_loss(problem, fo_cfg)
+    fo = torch.cat([g.flatten() for g in torch.autograd.grad(fo_loss, list(fo_params.values()))])
+    assert (fo - analytic).abs().max() > 1e-4 * analytic.abs().max()
+
+
+def test_checkpointed_inner_steps_give_identical_second_order_gradients():
+    problem = _tiny_problem()
+    grads = []
+    for checkpoint in (False, True):
+        cfg = InnerLoopConfig(steps=4, lr=0.1, optimizer="adam", checkpoint=checkpoint, grad_clip=0.5)
+        loss, params = _outer_loss(problem, cfg)
+        grads.append(torch.autograd.grad(loss, list(params.values())))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("optimizer", ["momentum", "adam"])
+def test_updates_match_torch_optim(optimizer):
+    problem = _tiny_problem()
+    model, (x, y), _ = problem
+    cfg = InnerLoopConfig(steps=4, lr=0.05, optimizer=optimizer, momentum=0.8, beta1=0.7, beta2=0.9, eps=1e-8)
+    params = select_parameters(model, ["*"])
+    adapted = (
+        InnerLoop(params, cfg)
+        .adapt(lambda p, step: (functional_forward(model, p, x) - y).square().mean(), params)
+        .params
+    )
+    clone = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2)).double()
+    clone.load_state_dict(model.state_dict())
+    if optimizer == "momentum":
+        reference = torch.optim.SGD(clone.parameters(), lr=0.05, momentum=0.8)
+    else:
+        reference = torch.optim.Adam(clone.parameters(), lr=0.05, betas=(0.7, 0.9), eps=1e-8)
+    for _ in range(4):
+        reference.zero_grad()
+        (clone(x) - y).square().mean().backward()
+        reference.step()
+    for name, param in clone.named_parameters():
+        torch.testing.assert_close(adapted[name], param, rtol=1e-6, atol=1e-7)
+
+
+def test_adam_second_order_is_finite_where_the_gradient_is_zero():
+    w = torch.zeros(3, dtype=torch.float64, requires_grad=True)
+    unused = torch.ones(2, dtype=torch.float64, requires_grad=True)
+    loop = InnerLoop({"w": w, "unused": unused}, InnerLoopConfig(steps=2, optimizer="adam", lr=0.1))
+    adapted = loop.adapt(lambda p, step: (p["w"] ** 2).sum(), {"w": w, "unused": unused}).params
+    grads = torch.autograd.grad((adapted["w"] - 1).square().sum() + adapted["unused"].sum(), (w, unused))
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
+def test_meta_sgd_learning_rate_gradient_matches_closed_form():
+    curvature, minimum, target = _quadratic(seed=1)
+    w0 = torch.randn(4, dtype=torch.float64)
+    loop = InnerLoop({"w": w0}, InnerLoopConfig(steps=1, lr=0.2, learnable_lr="element")).double()
+    adapted = loop.adapt(lambda p, s: 0.5 * (p["w"] - minimum) @ curvature @ (p["w"] - minimum), {"w": w0})
+    loss = 0.5 * (adapted.params["w"] - target).square().sum()
+    (lr_grad,) = torch.autograd.grad(loss, list(loop.parameters()))
+    inner_grad = curvature @ (w0 - minimum)
+    torch.testing.assert_close(
+        lr_grad, -(adapted.params["w"].detach() - target) * inner_grad, rtol=0, atol=1e-14
+    )
+
+
+def test_clip_by_global_norm():
+    grads = {"a": torch.tensor([3.0, 0.0], requires_grad=True), "b": torch.tensor([4.0], requires_grad=True)}
+    clipped = clip_by_global_norm(grads, 1.0)
+    total = torch.sqrt(sum(g.square().sum() for g in clipped.values()))
+    torch.testing.assert_close(total, torch.tensor(1.0), rtol=1e-5, atol=0)
+    torch.testing.assert_close(clip_by_global_norm(grads, 10.0)["a"], grads["a"])
+    (g,) = torch.autograd.grad(clipped["b"].sum(), grads["b"])
+    assert g.abs().item() > 0
+
+
+def test_select_parameters_and_its_error():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    assert list(select_parameters(model, ["1.*"])) == ["1.weight", "1.bias"]
+    with pytest.raises(ValueError, match="0.weight"):
+        select_parameters(model, ["mlp.*"])
+
+
+def test_adapt_refuses_to_run_without_grad_mode():
+    w = torch.zeros(2, requires_grad=True)
+    loop = InnerLoop({"w": w}, InnerLoopConfig())
+    with torch.no_grad(), pytest.raises(RuntimeError, match="enable_grad"):
+        loop.adapt(lambda p, s: p["w"].sum(), {"w": w})
+
+
+class _Regression:
+    def __init__(self, model):
+        self.model = model
+
+    def inner_loss(self, params, task, step):
+        (x, y), _ = task
+        return (functional_forward(self.model, params, x) - y).square().mean()
+
+    def outer_loss(self, params, task):
+        _, (x, y) = task
+        loss = (functional_forward(self.model, params, x) - y).square().mean()
+        return loss, {"loss_copy": loss.detach()}
+
+
+def test_meta_step_accumulates_the_mean_outer_gradient_over_tasks():
+    model, support, query = _tiny_problem()
+    tasks = [(support, query), ((support[0] + 1, support[1]), (query[0] - 1, query[1]))]
+    params = select_parameters(model, ["2.*"])
+    loop = InnerLoop(params, InnerLoopConfig(steps=2, lr=0.1))
+    objective = _Regression(model)
+    result = meta_step(objective, loop, params, tasks)
+    got = [p.grad.clone() for p in params.values()]
+
+    expected_loss = 0.0
+    for task in tasks:
+        adapted = loop.adapt(lambda p, s, task=task: objective.inner_loss(p, task, s), params).params
+        expected_loss = expected_loss + objective.outer_loss(adapted, task)[0] / 2
+    want = torch.autograd.grad(expected_loss, list(params.values()))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(result.outer_loss, expected_loss.detach())
+    torch.testing.assert_close(result.metrics["loss_copy"], expected_loss.detach())
+    assert result.inner_losses.shape == (2,)

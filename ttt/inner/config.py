@@ -1,0 +1,67 @@
+"""`InnerLoopConfig`: every option of the inner loop, validated."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+INNER_OPTIMIZERS = ("sgd", "momentum", "adam")
+LEARNABLE_LR_MODES = ("none", "tensor", "element")
+
+
+@dataclass
+class InnerLoopConfig:
+    """How the inner loop adapts parameters."""
+
+    params: list[str] = field(default_factory=lambda: ["*"])
+    """Glob patterns (fnmatch) over parameter names; the matching parameters are adapted."""
+    steps: int = 1
+    """Inner optimizer steps during meta-training."""
+    eval_steps: int | None = None
+    """Inner optimizer steps at validation and test; None means the same as steps."""
+    optimizer: str = "sgd"
+    """Differentiable inner optimizer: sgd, momentum or adam."""
+    lr: float = 0.01
+    """Inner learning rate (the initial value when learnable)."""
+    learnable_lr: str = "none"
+    """Meta-learn the inner learning rates (Meta-SGD): none, tensor (one per parameter tensor) or element."""
+    momentum: float = 0.9
+    """Momentum coefficient of the momentum optimizer."""
+    beta1: float = 0.9
+    """Adam's first-moment decay."""
+    beta2: float = 0.999
+    """Adam's second-moment decay."""
+    eps: float = 1e-8
+    """Adam's epsilon; it sits inside the square root, sqrt(v + eps^2), so every derivative stays finite."""
+    grad_clip: float | None = None
+    """Clip the inner gradient to this global L2 norm (differentiably); None: no clipping."""
+    first_order: bool = False
+    """Drop second-order terms (first-order MAML): inner gradients are not differentiated."""
+    checkpoint: bool = False
+    """Recompute each inner step in the outer backward instead of storing it (activation checkpointing)."""
+
+    def __post_init__(self):
+        if not self.params or any(not isinstance(p, str) or not p for p in self.params):
+            raise ValueError(f"inner.params must be a non-empty list of glob patterns, got {self.params!r}")
+        if self.steps < 0:
+            raise ValueError(f"inner.steps must be >= 0, got {self.steps}")
+        if self.eval_steps is not None and self.eval_steps < 0:
+            raise ValueError(f"inner.eval_steps must be >= 0 or null, got {self.eval_steps}")
+        if self.optimizer not in INNER_OPTIMIZERS:
+            raise ValueError(f"inner.optimizer must be one of {INNER_OPTIMIZERS}, got {self.optimizer!r}")
+        if self.learnable_lr not in LEARNABLE_LR_MODES:
+            raise ValueError(
+                f"inner.learnable_lr must be one of {LEARNABLE_LR_MODES}, got {self.learnable_lr!r}"
+            )
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"inner.momentum must be in [0, 1), got {self.momentum}")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ValueError(f"inner.beta1 and inner.beta2 must be in [0, 1), got {self.beta1}, {self.beta2}")
+        if self.eps <= 0:
+            raise ValueError(f"inner.eps must be > 0, got {self.eps}")
+        if self.grad_clip is not None and self.grad_clip <= 0:
+            raise ValueError(f"inner.grad_clip must be > 0 or null, got {self.grad_clip}")
+
+    @property
+    def steps_at_eval(self) -> int:
+        """Inner steps used at validation and test."""
+        return self.steps if self.eval_steps is None else self.eval_steps

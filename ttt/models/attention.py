@@ -1,0 +1,60 @@
+"""The one attention function every ttt model calls; `backend` picks the implementation.
+
+* "flashbob": `kernels.flash_attention(backend="auto")`: the FlashBoB Triton kernels on CUDA (exact
+  backward-over-backward, no N x N tensor), the plain-PyTorch path elsewhere.
+* "eager": `kernels.flash_attention(backend="torch")`: plain PyTorch on any device.
+* "sdpa_math": `torch.nn.functional.scaled_dot_product_attention` restricted to its math backend
+  (the only SDPA backend that supports double backward), with an explicit boolean mask.
+
+All three share the semantics of `kernels`: causal masks are bottom-right aligned and a window of
+w keeps the w most recent keys (causal only).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import kernels
+from kernels.masks import visible_keys
+
+ATTENTION_BACKENDS = ("flashbob", "eager", "sdpa_math")
+
+
+def check_attention_backend(backend: str) -> None:
+    """Raise ValueError naming the valid choices when `backend` is not one of ATTENTION_BACKENDS."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
+
+
+def _sdpa_math(q, k, v, *, causal, window, scale):
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    mask = visible_keys(q.shape[2], k.shape[2], causal=causal, window=window, device=q.device)
+    with sdpa_kernel(SDPBackend.MATH):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    backend: str,
+    causal: bool = True,
+    window: int | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Softmax attention through the chosen backend.
+
+    q: (B, Hq, N, D); k, v: (B, Hkv, M, D) with Hq a multiple of Hkv. Returns (B, Hq, N, D).
+    causal / window / scale as in `kernels.flash_attention` (scale defaults to D ** -0.5).
+    With "sdpa_math", every query must see at least one key (true whenever N <= M and causal).
+    """
+    check_attention_backend(backend)
+    if backend == "sdpa_math":
+        return _sdpa_math(q, k, v, causal=causal, window=window, scale=scale)
+    kernel_backend = "auto" if backend == "flashbob" else "torch"
+    return kernels.flash_attention(q, k, v, causal=causal, window=window, scale=scale, backend=kernel_backend)

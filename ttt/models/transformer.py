@@ -1,0 +1,214 @@
+"""A decoder-only transformer in the common modern form: RoPE, RMSNorm, SwiGLU, GQA, optional
+sliding-window attention, all attention through `ttt.models.attention.attention`.
+
+Parameter names (what glob patterns for inner-loop adaptation and checkpoint loaders refer to):
+    embed.weight                                  (vocab_size, d_model)
+    layers.{i}.attn_norm.weight                   (d_model,)
+    layers.{i}.attn.wq.weight / .bias             (n_heads * head_dim, d_model) / (n_heads * head_dim,)
+    layers.{i}.attn.wk.weight / .bias             (n_kv_heads * head_dim, d_model)
+    layers.{i}.attn.wv.weight / .bias             (n_kv_heads * head_dim, d_model)
+    layers.{i}.attn.wo.weight                     (d_model, n_heads * head_dim)
+    layers.{i}.mlp_norm.weight                    (d_model,)
+    layers.{i}.mlp.w_gate.weight, .w_up.weight    (d_ff, d_model)
+    layers.{i}.mlp.w_down.weight                  (d_model, d_ff)
+    norm.weight                                   (d_model,)
+    lm_head.weight                                (vocab_size, d_model); absent when tie_embeddings
+The q/k/v biases exist only with qkv_bias=True (as in Qwen2). RoPE uses the "rotate half" layout of
+Llama-family checkpoints.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import attention, check_attention_backend
+
+
+@dataclass
+class TransformerConfig:
+    """Shape and options of `Transformer`."""
+
+    vocab_size: int = 256
+    """Number of token ids the embedding and the output head cover."""
+    d_model: int = 128
+    """Width of the residual stream."""
+    n_layers: int = 2
+    """Number of transformer blocks."""
+    n_heads: int = 4
+    """Number of query heads."""
+    n_kv_heads: int | None = None
+    """Number of key/value heads (grouped-query attention); None means n_heads."""
+    head_dim: int | None = None
+    """Width of one attention head; None means d_model // n_heads."""
+    d_ff: int | None = None
+    """Hidden width of the SwiGLU MLP; None means 8/3 * d_model rounded up to a multiple of 32."""
+    window: int | None = None
+    """Sliding attention window (each token sees at most this many most recent tokens); None: full causal."""
+    rope_theta: float = 10000.0
+    """Base of the rotary position embedding frequencies."""
+    norm_eps: float = 1e-5
+    """Epsilon of RMSNorm."""
+    tie_embeddings: bool = False
+    """Use the embedding matrix as the output head."""
+    qkv_bias: bool = False
+    """Give the q, k and v projections a bias (Qwen2 style)."""
+    attention: str = "flashbob"
+    """Attention backend: flashbob (FlashBoB kernels on CUDA), eager (plain PyTorch) or sdpa_math."""
+
+    def __post_init__(self):
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model.{name} must be a positive int, got {getattr(self, name)}")
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads != 0:
+            raise ValueError(
+                f"model.n_kv_heads must divide model.n_heads ({self.n_heads}), got {self.n_kv_heads}"
+            )
+        if self.head_dim is None:
+            if self.d_model % self.n_heads != 0:
+                raise ValueError(
+                    f"model.d_model ({self.d_model}) must be a multiple of model.n_heads ({self.n_heads}) "
+                    "unless model.head_dim is set"
+                )
+            self.head_dim = self.d_model // self.n_heads
+        if self.head_dim < 2 or self.head_dim % 2 != 0:
+            raise ValueError(f"model.head_dim must be an even int >= 2 (RoPE), got {self.head_dim}")
+        if self.d_ff is None:
+            self.d_ff = 32 * math.ceil(8 * self.d_model / 3 / 32)
+        if self.d_ff < 1:
+            raise ValueError(f"model.d_ff must be a positive int, got {self.d_ff}")
+        if self.window is not None and self.window < 1:
+            raise ValueError(f"model.window must be a positive int or null, got {self.window}")
+        if self.rope_theta <= 0 or self.norm_eps <= 0:
+            raise ValueError("model.rope_theta and model.norm_eps must be positive")
+        check_attention_backend(self.attention)
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in float32. x: (..., dim) -> same shape and dtype."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Rotary tables for positions 0..seq_len-1: cos and sin, each (seq_len, head_dim), float32."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (B, H, N, D) by the tables cos, sin (N, D) in the rotate-half layout; keeps x's dtype."""
+    half = x.shape[-1] // 2
+    xf = x.float()
+    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+    return (xf * cos + rotated * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Causal (optionally sliding-window) grouped-query self-attention with RoPE. (B, N, d) -> (B, N, d)."""
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        cfg = self.cfg
+        q = self.wq(x).view(batch, seq, cfg.n_heads, cfg.head_dim).transpose(1, 2)
+        k = self.wk(x).view(batch, seq, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
+        v = self.wv(x).view(batch, seq, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = attention(q, k, v, backend=cfg.attention, causal=True, window=cfg.window)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, cfg.n_heads * cfg.head_dim))
+
+
+class SwiGLU(nn.Module):
+    """w_down(silu(w_gate x) * w_up x). (..., d_model) -> (..., d_model)."""
+
+    def __init__(self, d_model: int, d_ff: int):
+        super().__init__()
+        self.w_gate = nn.Linear(d_model, d_ff, bias=False)
+        self.w_up = nn.Linear(d_model, d_ff, bias=False)
+        self.w_down = nn.Linear(d_ff, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attn(attn_norm(x)), then + mlp(mlp_norm(x)). (B, N, d) -> (B, N, d)."""
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg.d_model, cfg.d_ff)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    """Decoder-only language model. forward: token ids (B, N) int64 -> logits (B, N, vocab_size)."""
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """GPT-2 style init: N(0, 0.02) weights, residual output projections scaled by 1/sqrt(2 n_layers)."""
+        for name, param in self.named_parameters():
+            if name.endswith("norm.weight"):
+                nn.init.ones_(param)
+            elif name.endswith(".bias"):
+                nn.init.zeros_(param)
+            elif name.endswith(("attn.wo.weight", "mlp.w_down.weight")):
+                nn.init.normal_(param, std=0.02 / math.sqrt(2 * self.cfg.n_layers))
+            else:
+                nn.init.normal_(param, std=0.02)
+
+    def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Final normed hidden states. tokens (B, N) int64 -> (B, N, d_model)."""
+        if tokens.dim() != 2 or tokens.dtype != torch.long:
+            raise ValueError(
+                f"tokens must be a (batch, seq) int64 tensor, got {tuple(tokens.shape)} {tokens.dtype}"
+            )
+        cos, sin = rope_cos_sin(tokens.shape[1], self.cfg.head_dim, self.cfg.rope_theta, tokens.device)
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.norm(x)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (B, N) int64 -> logits (B, N, vocab_size)."""
+        h = self.hidden_states(tokens)
+        if self.lm_head is None:
+            return h @ self.embed.weight.t()
+        return self.lm_head(h)
