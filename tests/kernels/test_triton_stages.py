@@ -1,0 +1,106 @@
+"""The Triton stages (forward, first backward, FlashBoB) against float64 autograd, outputs poisoned.
+
+On the CPU they run in Triton's interpreter in float32; on CUDA also in bfloat16 and float16,
+where the error must stay within 2x the error of plain PyTorch run in the same dtype.
+"""
+
+import itertools
+
+import pytest
+import torch
+
+import kernels
+from kernel_cases import CASES, DEVICE, autograd_reference, make_inputs, rel_err
+from kernels import triton_ops
+from kernels.reference import attention_naive
+
+DTYPES = [torch.float32] + ([torch.bfloat16, torch.float16] if DEVICE == "cuda" else [])
+FP32_TOL = 2e-5
+
+
+@pytest.fixture(autouse=True)
+def poison_outputs(monkeypatch):
+    monkeypatch.setattr(triton_ops, "POISON_OUTPUTS", True)
+
+
+def plain_torch_errors(case, inputs, ref, dtype):
+    """Errors of plain PyTorch autograd attention run in `dtype`, against the float64 reference."""
+    q, k, v, dout, u_q, u_k, u_v = (t.to(dtype) for t in inputs)
+    q, k, v, dout = (t.requires_grad_() for t in (q, k, v, dout))
+    out = attention_naive(q, k, v, causal=case.causal, window=case.window, scale=case.d**-0.5)
+    firsts = torch.autograd.grad(out, (q, k, v), dout, create_graph=True)
+    bob = torch.autograd.grad(firsts, (q, k, v, dout), (u_q, u_k, u_v))
+    errs = {"out": rel_err(out, ref["out"])}
+    errs.update({n: rel_err(g, ref[n]) for n, g in zip(("dq", "dk", "dv"), firsts)})
+    errs.update({f"bob{i}": rel_err(g, r) for i, (g, r) in enumerate(zip(bob, ref["bob"]))})
+    return errs
+
+
+def check(name, got, ref, dtype, baseline):
+    err = rel_err(got, ref)
+    if dtype == torch.float32:
+        # Plain PyTorch float32 is ~1e-7 here; the floor leaves room for a different summation order.
+        limit = max(2 * baseline[name], FP32_TOL)
+    else:
+        limit = 2 * baseline[name]
+    assert err <= limit, f"{name}: relative error {err:.3g} > {limit:.3g}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_stages_match_float64(case, dtype):
+    inputs = make_inputs(case)
+    ref = autograd_reference(case, *inputs)
+    baseline = plain_torch_errors(case, inputs, ref, dtype)
+    q, k, v, dout, u_q, u_k, u_v = (t.to(dtype) for t in inputs)
+    opts = dict(causal=case.causal, window=case.window, backend="triton")
+
+    out, lse = kernels.attention_forward(q, k, v, **opts)
+    check("out", out, ref["out"], dtype, baseline)
+    dq, dk, dv = kernels.attention_backward(q, k, v, out, lse, dout, **opts)
+    for name, got in zip(("dq", "dk", "dv"), (dq, dk, dv)):
+        check(name, got, ref[name], dtype, baseline)
+    bob = kernels.attention_bob(q, k, v, out, lse, dout, dq, u_q, u_k, u_v, **opts)
+    for i, (got, want) in enumerate(zip(bob, ref["bob"])):
+        check(f"bob{i}", got, want, dtype, baseline)
+
+
+SUBSETS = [s for r in (1, 2) for s in itertools.combinations(("u_q", "u_k", "u_v"), r)]
+
+
+@pytest.mark.parametrize("present", SUBSETS, ids="+".join)
+@pytest.mark.parametrize("case", [CASES[1], CASES[7]], ids=lambda c: c.id)
+def test_bob_with_partial_cotangents(case, present):
+    q, k, v, dout, *us = make_inputs(case, seed=1)
+    us = [u if name in present else None for name, u in zip(("u_q", "u_k", "u_v"), us)]
+    ref = autograd_reference(case, q, k, v, dout, *us)
+    opts = dict(causal=case.causal, window=case.window, backend="triton")
+    out, lse = kernels.attention_forward(q, k, v, **opts)
+    dq, _, _ = kernels.attention_backward(q, k, v, out, lse, dout, **opts)
+    bob = kernels.attention_bob(q, k, v, out, lse, dout, dq, *us, **opts)
+    for i, (got, want) in enumerate(zip(bob, ref["bob"])):
+        if want.norm() == 0:
+            assert torch.equal(got.cpu(), torch.zeros_like(got.cpu())), f"output {i} should be exactly zero"
+        else:
+            assert rel_err(got, want) <= FP32_TOL, f"output {i}: {rel_err(got, want):.3g}"
+
+
+def test_lse_is_minus_inf_on_rows_without_keys():
+    case = CASES[5]  # causal with N > M: the first N - M rows see no key
+    q, k, v, *_ = make_inputs(case)
+    out, lse = kernels.attention_forward(q, k, v, causal=True, backend="triton")
+    empty = case.n - case.m
+    assert torch.isneginf(lse[..., :empty]).all() and torch.isfinite(lse[..., empty:]).all()
+    assert torch.equal(out[..., :empty, :].cpu(), torch.zeros_like(out[..., :empty, :].cpu()))
+
+
+def test_non_contiguous_inputs_match_contiguous():
+    case = CASES[1]
+    q, k, v, dout, u_q, u_k, u_v = make_inputs(case, seed=2)
+    # (B, N, H, D) storage viewed as (B, H, N, D), as attention layers produce it.
+    q_t, k_t, v_t = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    assert not q_t.is_contiguous()
+    opts = dict(causal=True, backend="triton")
+    out_a, lse_a = kernels.attention_forward(q, k, v, **opts)
+    out_b, lse_b = kernels.attention_forward(q_t, k_t, v_t, **opts)
+    assert torch.equal(out_a, out_b) and torch.equal(lse_a, lse_b)
