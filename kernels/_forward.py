@@ -52,5 +52,6 @@ def attention_forward_kernel(
     empty = row_sum == 0.0
     out = acc / tl.where(empty, 1.0, row_sum)[:, None]
     store_tile(Out + b * sob + h * soh, out, offs_m, offs_d, son, N, HEAD_DIM)
-    lse = tl.where(empty, float("-inf"), (row_max + tl.log2(tl.where(empty, 1.0, row_sum))) * 0.6931471805599453)
+    lse_2 = row_max + tl.log2(tl.where(empty, 1.0, row_sum))
+    lse = tl.where(empty, float("-inf"), lse_2 * 0.6931471805599453)  # natural log
     tl.store(Lse + pid_bh.to(tl.int64) * N + offs_m, lse, mask=offs_m < N)

@@ -16,14 +16,20 @@ def tile_ptrs(base, offs_rows, offs_d, stride_row):
 @triton.jit
 def load_tile(base, offs_rows, offs_d, stride_row, n_rows, HEAD_DIM: tl.constexpr):
     """Load a (rows, BLOCK_D) tile, zero-filled past n_rows and past HEAD_DIM."""
-    mask = (offs_rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM)
+    if offs_d.shape[0] == HEAD_DIM:
+        mask = offs_rows[:, None] < n_rows
+    else:
+        mask = (offs_rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM)
     return tl.load(tile_ptrs(base, offs_rows, offs_d, stride_row), mask=mask, other=0.0)
 
 
 @triton.jit
 def store_tile(base, value, offs_rows, offs_d, stride_row, n_rows, HEAD_DIM: tl.constexpr):
     """Store a (rows, BLOCK_D) tile, skipping rows past n_rows and columns past HEAD_DIM."""
-    mask = (offs_rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM)
+    if offs_d.shape[0] == HEAD_DIM:
+        mask = offs_rows[:, None] < n_rows
+    else:
+        mask = (offs_rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM)
     tl.store(tile_ptrs(base, offs_rows, offs_d, stride_row), value.to(base.dtype.element_ty), mask=mask)
 
 

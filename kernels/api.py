@@ -71,7 +71,9 @@ def attention_backward(q, k, v, out, lse, dout, *, causal=False, window=None, sc
     scale, backend = check_attention_args(q, k, v, causal=causal, window=window, scale=scale, backend=backend)
     _check_stage_inputs(q, k, out, lse, dout)
     if backend == "torch":
-        return reference.backward_reference(q, k, v, out, lse, dout, causal=causal, window=window, scale=scale)
+        return reference.backward_reference(
+            q, k, v, out, lse, dout, causal=causal, window=window, scale=scale
+        )
     from . import triton_ops
 
     return triton_ops.backward(q, k, v, out, lse, dout, causal=causal, window=window, scale=scale)
@@ -101,4 +103,6 @@ def attention_bob(
         )
     from . import triton_ops
 
-    return triton_ops.bob(q, k, v, out, lse, dout, dq, u_q, u_k, u_v, causal=causal, window=window, scale=scale)
+    return triton_ops.bob(
+        q, k, v, out, lse, dout, dq, u_q, u_k, u_v, causal=causal, window=window, scale=scale
+    )

@@ -40,7 +40,9 @@ def _scores(q, k, *, causal, window, scale):
     return scores, (None if bool(has_key.all()) else has_key)
 
 
-def attention_naive(q, k, v, *, causal: bool = False, window: int | None = None, scale: float) -> torch.Tensor:
+def attention_naive(
+    q, k, v, *, causal: bool = False, window: int | None = None, scale: float
+) -> torch.Tensor:
     """softmax(scale * q k^T + mask) v, differentiable any number of times by autograd.
 
     q: (B, Hq, N, D); k, v: (B, Hkv, M, D); returns (B, Hq, N, D) in q's dtype.

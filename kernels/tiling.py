@@ -1,14 +1,20 @@
-"""Tile shapes and launch settings for each kernel, by head dim, dtype and device.
+"""Tile shapes and launch settings for each kernel, by head dim and device.
 
 Under Triton's CPU interpreter, small tiles (16) keep tests fast and exercise the multi-tile paths
 on small sequences. On CUDA the shapes are chosen per kernel from the register budget: the rows
 kernel of the BoB holds three (BLOCK_M, D) float32 accumulators, the others one or two.
+`override` replaces a kernel's settings for a while (the benchmark uses it to compare tilings).
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
+
+KERNELS = ("forward", "backward_kv", "backward_q", "bob_rows", "bob_cols")
+_overrides: dict[str, dict] = {}
 
 
 def block_d(head_dim: int) -> int:
@@ -16,16 +22,38 @@ def block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
+def _cuda_default(kernel: str, bd: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a CUDA launch."""
+    if kernel == "forward":
+        return (128, 64, 8, 3) if bd <= 128 else (64, 32, 4, 2)
+    if kernel in ("backward_kv", "backward_q"):
+        return (64, 64, 4, 2) if bd <= 64 else (64, 64, 8, 2) if bd <= 128 else (32, 32, 4, 1)
+    return (64, 64, 4, 2) if bd <= 64 else (64, 32, 8, 2) if bd <= 128 else (32, 16, 4, 1)
+
+
 def choose(kernel: str, q: torch.Tensor, **flags) -> dict:
-    """Launch settings for `kernel` ("forward", "backward_kv", "backward_q", "bob_rows", "bob_cols")
-    with inputs like q (B, H, N, D): BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages."""
+    """Launch settings for `kernel` (one of KERNELS) with inputs like q (B, H, N, D):
+    BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages."""
     bd = block_d(q.shape[-1])
     if not q.is_cuda:
         return {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_D": bd, "num_warps": 1, "num_stages": 1}
-    if kernel == "forward":
-        bm, bn, warps, stages = (128, 64, 8, 3) if bd <= 128 else (64, 32, 4, 2)
-    elif kernel in ("backward_kv", "backward_q"):
-        bm, bn, warps, stages = (64, 64, 4, 2) if bd <= 64 else (64, 64, 8, 2) if bd <= 128 else (32, 32, 4, 1)
-    else:
-        bm, bn, warps, stages = (64, 64, 4, 2) if bd <= 64 else (64, 32, 8, 2) if bd <= 128 else (32, 16, 4, 1)
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_D": bd, "num_warps": warps, "num_stages": stages}
+    bm, bn, warps, stages = _cuda_default(kernel, bd)
+    cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_D": bd, "num_warps": warps, "num_stages": stages}
+    cfg.update(_overrides.get(kernel, {}))
+    return cfg
+
+
+@contextlib.contextmanager
+def override(kernel: str, **settings):
+    """Within the block, launch `kernel` with `settings` (e.g. BLOCK_M=128, num_warps=8)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    previous = _overrides.get(kernel)
+    _overrides[kernel] = settings
+    try:
+        yield
+    finally:
+        if previous is None:
+            _overrides.pop(kernel)
+        else:
+            _overrides[kernel] = previous

@@ -68,7 +68,7 @@ def check_attention_args(
             raise ValueError("window requires causal=True (a sliding window looks back from each query)")
     if scale is None:
         scale = head_dim**-0.5
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (0 < scale < math.inf):
         raise ValueError(f"scale must be a positive finite float or None, got {scale!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")

@@ -3,9 +3,9 @@ gradients equal to float64 autograd through plain attention, and a clear error o
 
 import pytest
 import torch
+from kernel_cases import CASES, autograd_reference, make_inputs, rel_err
 
 import kernels
-from kernel_cases import CASES, autograd_reference, make_inputs, rel_err
 from kernels import triton_ops
 
 TOL = 2e-5

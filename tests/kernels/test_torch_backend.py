@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from kernel_cases import CASES, autograd_reference, make_inputs, rel_err
 
 import kernels
-from kernel_cases import CASES, autograd_reference, make_inputs, rel_err
 from kernels.masks import visible_keys
 
 
