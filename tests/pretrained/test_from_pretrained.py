@@ -1,0 +1,235 @@
+"""`ttt.models.from_pretrained`: Hugging Face-format checkpoints built on the fly (no download).
+
+Without transformers: hand-written config.json + safetensors load, names and shapes are checked and
+bad inputs fail clearly. With transformers (the GPU machine): our logits equal transformers' own on
+the same random weights, for every supported architecture.
+"""
+
+import importlib.util
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from ttt.models import GPT2, Transformer, TransformerConfig, from_pretrained
+
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+TOKENS = torch.tensor([[1, 5, 9, 3, 60, 7, 2, 11, 40, 13, 0, 63], [4, 4, 8, 15, 16, 23, 42, 1, 2, 3, 5, 8]])
+
+LLAMA_JSON = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500.0,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+}
+
+
+def hf_llama_tensors(model: Transformer) -> dict[str, torch.Tensor]:
+    """Our Transformer's weights under Hugging Face Llama names (written by hand, independently of the
+    loader's table)."""
+    out = {"model.embed_tokens.weight": model.embed.weight, "model.norm.weight": model.norm.weight}
+    if model.lm_head is not None:
+        out["lm_head.weight"] = model.lm_head.weight
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        out[p + "input_layernorm.weight"] = layer.attn_norm.weight
+        out[p + "post_attention_layernorm.weight"] = layer.mlp_norm.weight
+        for hf, ours in (
+            ("q", layer.attn.wq),
+            ("k", layer.attn.wk),
+            ("v", layer.attn.wv),
+            ("o", layer.attn.wo),
+        ):
+            out[p + f"self_attn.{hf}_proj.weight"] = ours.weight
+        for hf, ours in (("gate", layer.mlp.w_gate), ("up", layer.mlp.w_up), ("down", layer.mlp.w_down)):
+            out[p + f"mlp.{hf}_proj.weight"] = ours.weight
+    return {name: t.detach().clone().contiguous() for name, t in out.items()}
+
+
+def write_checkpoint(path, config: dict, tensors: dict[str, torch.Tensor]):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(path / "model.safetensors"))
+    return path
+
+
+@pytest.fixture
+def llama_reference(tmp_path):
+    torch.manual_seed(0)
+    cfg = TransformerConfig(
+        vocab_size=64,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        d_ff=48,
+        rope_theta=500.0,
+        attention="eager",
+    )
+    model = Transformer(cfg)
+    return model, write_checkpoint(tmp_path / "llama", LLAMA_JSON, hf_llama_tensors(model))
+
+
+def test_hand_built_llama_checkpoint_loads_with_the_same_logits(llama_reference):
+    reference, path = llama_reference
+    model = from_pretrained(path, attention="eager")
+    assert isinstance(model, Transformer) and model.cfg.n_kv_heads == 2 and model.cfg.rope_theta == 500.0
+    assert model.cfg.norm_eps == 1e-5 and model.cfg.d_ff == 48
+    torch.testing.assert_close(model(TOKENS), reference(TOKENS), rtol=0, atol=0)
+
+
+def test_default_attention_is_flashbob_and_overrides_apply(llama_reference):
+    _, path = llama_reference
+    assert from_pretrained(path).cfg.attention == "flashbob"
+    model = from_pretrained(path, window=4, dtype=torch.float64)
+    assert model.cfg.window == 4 and model.embed.weight.dtype == torch.float64
+    with pytest.raises(ValueError, match="unknown model overrides.*'windw'.*window"):
+        from_pretrained(path, windw=4)
+
+
+def test_sharded_checkpoint_loads(llama_reference, tmp_path):
+    reference, path = llama_reference
+    tensors = hf_llama_tensors(reference)
+    names = sorted(tensors)
+    shards = {"a.safetensors": names[: len(names) // 2], "b.safetensors": names[len(names) // 2 :]}
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    (sharded / "config.json").write_text(json.dumps(LLAMA_JSON))
+    for shard, shard_names in shards.items():
+        save_file({n: tensors[n] for n in shard_names}, str(sharded / shard))
+    weight_map = {n: shard for shard, shard_names in shards.items() for n in shard_names}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    torch.testing.assert_close(from_pretrained(sharded, attention="eager")(TOKENS), reference(TOKENS))
+
+
+def test_bad_checkpoints_fail_with_clear_messages(llama_reference, tmp_path):
+    reference, path = llama_reference
+    with pytest.raises(FileNotFoundError, match="expected a checkpoint directory"):
+        from_pretrained(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        from_pretrained(tmp_path / "empty")
+    bert = write_checkpoint(tmp_path / "bert", {"architectures": ["BertModel"]}, {"x": torch.zeros(1)})
+    with pytest.raises(
+        ValueError, match="unsupported architectures.*BertModel.*GPT2LMHeadModel.*LlamaForCausalLM"
+    ):
+        from_pretrained(bert)
+
+    tensors = hf_llama_tensors(reference)
+    tensors["model.layers.1.mlp.up_proj.weight"] = torch.zeros(47, 32)
+    with pytest.raises(ValueError, match=r"layers\.1\.mlp\.w_up\.weight.*\(47, 32\).*\(48, 32\)"):
+        from_pretrained(write_checkpoint(tmp_path / "shape", LLAMA_JSON, tensors))
+    tensors = hf_llama_tensors(reference)
+    del tensors["model.norm.weight"]
+    with pytest.raises(ValueError, match=r"missing \['norm.weight'\]"):
+        from_pretrained(write_checkpoint(tmp_path / "missing", LLAMA_JSON, tensors))
+    tensors = hf_llama_tensors(reference)
+    tensors["model.layers.0.mystery.weight"] = torch.zeros(2)
+    with pytest.raises(ValueError, match="mystery"):
+        from_pretrained(write_checkpoint(tmp_path / "unknown", LLAMA_JSON, tensors))
+    scaled = {**LLAMA_JSON, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}
+    with pytest.raises(ValueError, match="llama3"):
+        from_pretrained(write_checkpoint(tmp_path / "scaled", scaled, hf_llama_tensors(reference)))
+    (tmp_path / "noweights").mkdir()
+    (tmp_path / "noweights" / "config.json").write_text(json.dumps(LLAMA_JSON))
+    with pytest.raises(FileNotFoundError, match="no model.safetensors"):
+        from_pretrained(tmp_path / "noweights")
+
+
+def test_hand_built_gpt2_checkpoint_loads_transposed_and_split(tmp_path):
+    torch.manual_seed(0)
+    d, layers, vocab, positions = 16, 2, 50, 32
+    config = {
+        "architectures": ["GPT2LMHeadModel"],
+        "vocab_size": vocab,
+        "n_embd": d,
+        "n_layer": layers,
+        "n_head": 2,
+        "n_positions": positions,
+        "activation_function": "gelu_new",
+    }
+    tensors = {
+        "wte.weight": torch.randn(vocab, d),
+        "wpe.weight": torch.randn(positions, d),
+        "ln_f.weight": torch.rand(d),
+        "ln_f.bias": torch.randn(d),
+    }
+    for i in range(layers):
+        for name, shape in (
+            ("ln_1.weight", (d,)),
+            ("ln_1.bias", (d,)),
+            ("ln_2.weight", (d,)),
+            ("ln_2.bias", (d,)),
+            ("attn.c_attn.weight", (d, 3 * d)),
+            ("attn.c_attn.bias", (3 * d,)),
+            ("attn.c_proj.weight", (d, d)),
+            ("attn.c_proj.bias", (d,)),
+            ("mlp.c_fc.weight", (d, 4 * d)),
+            ("mlp.c_fc.bias", (4 * d,)),
+            ("mlp.c_proj.weight", (4 * d, d)),
+            ("mlp.c_proj.bias", (d,)),
+        ):
+            tensors[f"h.{i}.{name}"] = torch.randn(shape) * 0.3
+    model = from_pretrained(write_checkpoint(tmp_path / "gpt2", config, tensors), attention="eager")
+    assert isinstance(model, GPT2)
+    torch.testing.assert_close(
+        model.layers[1].attn.wk.weight, tensors["h.1.attn.c_attn.weight"][:, d : 2 * d].t()
+    )
+    torch.testing.assert_close(model.layers[0].mlp.w_in.weight, tensors["h.0.mlp.c_fc.weight"].t())
+    assert model(TOKENS % vocab).shape == (2, 12, vocab)
+    with pytest.raises(ValueError, match="max_positions=32"):
+        model(torch.zeros(1, 33, dtype=torch.long))
+
+
+def _save_hf_model(hf_model, path):
+    hf_model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def _hf_models():
+    import transformers as tf
+
+    common = {
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+    }
+    return {
+        "llama": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**common, rope_theta=1000.0, rms_norm_eps=1e-5)),
+        "smollm2-tied": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**common, tie_word_embeddings=True)),
+        "qwen2": lambda: tf.Qwen2ForCausalLM(
+            tf.Qwen2Config(**common, rope_theta=1e6, tie_word_embeddings=True)
+        ),
+        "gpt2": lambda: tf.GPT2LMHeadModel(
+            tf.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64)
+        ),
+    }
+
+
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed")
+@pytest.mark.parametrize("family", ["llama", "smollm2-tied", "qwen2", "gpt2"])
+def test_logits_match_transformers(family, tmp_path):
+    torch.manual_seed(0)
+    hf_model = _hf_models()[family]().float().eval()
+    with torch.no_grad():
+        for param in hf_model.parameters():  # random biases and norm weights too, not just their init
+            param.add_(torch.randn_like(param) * 0.05)
+    path = _save_hf_model(hf_model, tmp_path / family)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ours = from_pretrained(path).to(device)
+    with torch.no_grad():
+        expected = hf_model.to(device)(TOKENS.to(device)).logits
+        got = ours(TOKENS.to(device))
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
