@@ -1,9 +1,10 @@
-"""Time each Triton stage under several tile settings, to choose the defaults in kernels/tiling.py.
+"""Time each Triton kernel under several tile settings, to choose the defaults in kernels/tiling.py.
 
     python benchmarks/sweep_tiles.py --n 16384 --d 64,128 --mask causal
 
-Prints one line per (kernel, settings) with the stage's median milliseconds. The stage timed is
-the one that launches the kernel: forward, backward (both its kernels) or BoB (both its kernels).
+Prints one line per (kernel, settings): the stage's median milliseconds (the stage that launches the
+kernel: forward, backward or BoB), the kernel's own GPU time from the profiler, and its registers and
+spills as compiled.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import argparse
 import json
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 import kernels
 from kernels import tiling
@@ -26,6 +28,44 @@ CANDIDATES = {
     "bob_cols": [(64, 64, 4, 2), (32, 64, 4, 2), (64, 64, 8, 2), (64, 128, 8, 2), (32, 64, 8, 2),
                  (32, 128, 8, 2), (64, 64, 4, 3)],
 }
+
+
+KERNEL_NAMES = {
+    "forward": "attention_forward_kernel",
+    "backward_kv": "attention_backward_dkdv_kernel",
+    "backward_q": "attention_backward_dq_kernel",
+    "bob_rows": "attention_bob_rows_kernel",
+    "bob_cols": "attention_bob_cols_kernel",
+}
+
+
+def kernel_ms(fn, name: str, reps: int = 5) -> float:
+    """Mean GPU milliseconds per call that kernels named `name` take inside fn (all launches summed)."""
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    total_us = sum(e.device_time_total for e in prof.key_averages() if e.key.startswith(name))
+    return total_us / reps / 1e3
+
+
+def compiled_resources(kernel_name: str) -> list[dict]:
+    """Registers and spills of every compiled variant of a kernel (empty if Triton hides them)."""
+    from kernels import _backward, _bob, _forward
+
+    for module in (_forward, _backward, _bob):
+        fn = getattr(module, kernel_name, None)
+        if fn is None:
+            continue
+        found = []
+        for cache in getattr(fn, "device_caches", {}).values():
+            for compiled in cache[0].values():
+                found.append({"regs": getattr(compiled, "n_regs", None),
+                              "spills": getattr(compiled, "n_spills", None)})
+        return found
+    return []
 
 
 def main() -> None:
@@ -60,10 +100,12 @@ def sweep_head_dim(args, d: int) -> None:
             try:
                 with tiling.override(kernel, **settings):
                     ms = time_ms(stages[stage], budget_s=0.5)
+                    own_ms = kernel_ms(stages[stage], KERNEL_NAMES[kernel])
             except Exception as exc:  # a setting can exceed shared memory: report it and go on
-                ms = f"failed: {type(exc).__name__}"
+                ms = own_ms = f"failed: {type(exc).__name__}"
             print(json.dumps({"n": args.n, "d": d, "mask": args.mask, "kernel": kernel, **settings,
-                              "stage_ms": ms}), flush=True)
+                              "stage_ms": ms, "kernel_ms": own_ms}), flush=True)
+        print(json.dumps({"d": d, "kernel": kernel, "compiled": compiled_resources(KERNEL_NAMES[kernel])}))
 
 if __name__ == "__main__":
     main()

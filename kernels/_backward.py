@@ -4,7 +4,17 @@ no atomics) and dQ (one program per query block)."""
 import triton
 import triton.language as tl
 
-from ._tiles import key_range, load_tile, lse_log2, query_range, store_tile, visible
+from ._tiles import (
+    col_tile_needs_mask,
+    key_range,
+    load_tile,
+    lse_log2,
+    query_range,
+    row_tile_needs_mask,
+    store_tile,
+    visible,
+    visible_t,
+)
 
 
 @triton.jit
@@ -58,13 +68,14 @@ def attention_backward_dkdv_kernel(
             do = load_tile(do_base, offs_m, offs_d, sdon, N, HEAD_DIM)
             lse2 = lse_log2(Lse + row, offs_m, N)
             delta = tl.load(Delta + row + offs_m, mask=offs_m < N, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale_log2
-            p = tl.exp2(s - lse2[:, None])
-            p = tl.where(visible(offs_m, offs_n, N, M, OFFSET, WINDOW, CAUSAL, HAS_WINDOW), p, 0.0)
-            dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-            ds = p * (dp - delta[:, None])
-            dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv, input_precision=PRECISION)
-            dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=PRECISION)
+            # Transposed (key, query) tiles: P^T and dS^T are the left operands of dV and dK.
+            pt = tl.exp2(tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale_log2 - lse2[None, :])
+            if col_tile_needs_mask(start_m, start_n, OFFSET, WINDOW, CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N):
+                pt = tl.where(visible_t(offs_n, offs_m, OFFSET, WINDOW, CAUSAL, HAS_WINDOW), pt, 0.0)
+            dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+            dst = pt * (dpt - delta[None, :])
+            dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=PRECISION)
+            dk = tl.dot(dst.to(q.dtype), q, dk, input_precision=PRECISION)
     store_tile(DK + b * sdkb + hk * sdkh, dk * scale, offs_n, offs_d, sdkn, M, HEAD_DIM)
     store_tile(DV + b * sdkb + hk * sdkh, dv, offs_n, offs_d, sdkn, M, HEAD_DIM)
 
@@ -100,9 +111,9 @@ def attention_backward_dq_kernel(
         offs_n = start_n + offs_n0
         k = load_tile(k_base, offs_n, offs_d, skn, M, HEAD_DIM)
         v = load_tile(v_base, offs_n, offs_d, svn, M, HEAD_DIM)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale_log2
-        p = tl.exp2(s - lse2[:, None])
-        p = tl.where(visible(offs_m, offs_n, N, M, OFFSET, WINDOW, CAUSAL, HAS_WINDOW), p, 0.0)
+        p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale_log2 - lse2[:, None])
+        if row_tile_needs_mask(start_m, start_n, M, OFFSET, WINDOW, CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N):
+            p = tl.where(visible(offs_m, offs_n, N, M, OFFSET, WINDOW, CAUSAL, HAS_WINDOW), p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)

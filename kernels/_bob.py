@@ -3,23 +3,36 @@
 Notation of the design notes: P, dP = dO V^T, dS = P*(dP - delta), G = s*(U_Q K^T + Q U_K^T),
 W = dO U_V^T, and the two row scalars c = rowsum(P*G), e = rowsum(P*G_P).
 
-Row kernel, one sweep over keys per query block. Every output of a row is affine in c and e, so it
-accumulates the pieces and combines them once the sweep has found c and e:
-    c   = sum rowsum(P*G)
-    e   = sum rowsum(P*W + P*G*dP) - 2*c*delta
-    Q̄   = s*sum[(P*W + P*G*(dP-delta)) K + dS U_K] - c*dQ - s*(c*delta + e)*sum[P K]
+Rows kernel, one sweep over keys per query block. Every output of a row is affine in c and e, so it
+accumulates the pieces and combines them once the sweep has found c and e. With
+X = P*W + P*G*(dP - delta) and x = sum rowsum(X):
+    c   = sum rowsum(P*G),          e = x - c*delta
+    Q̄   = s*sum[X K + dS U_K] - s*x*sum[P K] - c*dQ
     dŌ  = sum[P U_V + (P*G) V] - c*O
-using sum[(P*dP) K] = dQ/s + delta*sum[P K] (dQ from the first backward) and sum[P V] = O.
-Column kernel, one program per key block (no atomics, deterministic), with c and e known:
+using sum[(P*dP) K] = dQ/s + delta*sum[P K] (dQ from the first backward), sum[P V] = O, and
+c*delta + e = x. At large head dims the three (BLOCK_M, D) accumulators do not fit the registers:
+the kernel is then launched twice, once for Q̄, c, e (WANT_GQ) and once for dŌ (WANT_GDO).
+Columns kernel, one program per key block (no atomics, deterministic), with c and e known, computed
+in the transposed (key, query) orientation so that every tile is already the left operand it feeds:
     K̄ = s*sum[G_S^T Q + dS^T U_Q],   V̄ = sum[G_dP^T dO],
-    G_S = P*(W + G*(dP-delta) - c*dP - e),   G_dP = P*(G - c).
-Absent cotangents are compile-time flags: their products are never issued.
+    G_S = P*(W + G*(dP - delta) - c*dP - e),   G_dP = P*(G - c).
+Absent cotangents are compile-time flags (HAS_G = HAS_UQ or HAS_UK): their products are never issued.
 """
 
 import triton
 import triton.language as tl
 
-from ._tiles import key_range, load_tile, lse_log2, query_range, store_tile, visible
+from ._tiles import (
+    col_tile_needs_mask,
+    key_range,
+    load_tile,
+    lse_log2,
+    query_range,
+    row_tile_needs_mask,
+    store_tile,
+    visible,
+    visible_t,
+)
 
 
 @triton.jit
@@ -29,11 +42,12 @@ def attention_bob_rows_kernel(
     sdqb, sdqh, sdqn, suqb, suqh, suqn, sukb, sukh, sukn, suvb, suvh, suvn, sgb, sgh, sgn,
     N, M, HEADS_Q, GROUP, OFFSET, WINDOW, qk_scale_log2, scale,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr,
-    HAS_UV: tl.constexpr, HAS_G: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_UV: tl.constexpr, HAS_G: tl.constexpr, WANT_GQ: tl.constexpr, WANT_GDO: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """One program: BLOCK_M query rows of one (batch, query head); writes Q̄, dŌ, c, e.
-    Grid (cdiv(N, BLOCK_M), B * Hq). GQ and GDO share strides (fresh contiguous buffers)."""
+    """One program: BLOCK_M query rows of one (batch, query head); writes Q̄, c, e (WANT_GQ) and
+    dŌ (WANT_GDO). Grid (cdiv(N, BLOCK_M), B * Hq). GQ and GDO share strides (fresh buffers)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // HEADS_Q).to(tl.int64)
@@ -56,56 +70,61 @@ def attention_bob_rows_kernel(
     lse2 = lse_log2(Lse + row, offs_m, N)
     delta = tl.load(Delta + row + offs_m, mask=offs_m < N, other=0.0)
 
-    acc_q = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)    # sum (P*W + P*G*(dP-delta)) K + dS U_K
+    acc_q = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)    # sum X K + dS U_K
     acc_pk = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)   # sum P K
     acc_do = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)   # sum P U_V + (P*G) V
     c = tl.zeros([BLOCK_M], tl.float32)
-    t = tl.zeros([BLOCK_M], tl.float32)                 # sum rowsum(P*W + P*G*dP)
+    x_sum = tl.zeros([BLOCK_M], tl.float32)
     lo, hi = key_range(start_m, M, OFFSET, WINDOW, CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
         k = load_tile(k_base, offs_n, offs_d, skn, M, HEAD_DIM)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale_log2
-        p = tl.exp2(s - lse2[:, None])
-        p = tl.where(visible(offs_m, offs_n, N, M, OFFSET, WINDOW, CAUSAL, HAS_WINDOW), p, 0.0)
-        x = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)    # P*W + P*G*(dP-delta)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        p = tl.exp2(s * qk_scale_log2 - lse2[:, None])
+        if row_tile_needs_mask(start_m, start_n, M, OFFSET, WINDOW, CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N):
+            p = tl.where(visible(offs_m, offs_n, N, M, OFFSET, WINDOW, CAUSAL, HAS_WINDOW), p, 0.0)
+        x = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         if HAS_UV:
             uv = load_tile(uv_base, offs_n, offs_d, suvn, M, HEAD_DIM)
-            pw = p * tl.dot(do, tl.trans(uv), input_precision=PRECISION)
-            x += pw
-            t += tl.sum(pw, 1)
-            acc_do = tl.dot(p.to(uv.dtype), uv, acc_do, input_precision=PRECISION)
+            if WANT_GQ:
+                x += p * tl.dot(do, tl.trans(uv), input_precision=PRECISION)
+            if WANT_GDO:
+                acc_do = tl.dot(p.to(uv.dtype), uv, acc_do, input_precision=PRECISION)
         if HAS_G:
             v = load_tile(v_base, offs_n, offs_d, svn, M, HEAD_DIM)
-            dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
             g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             if HAS_UQ:
                 g = tl.dot(uq, tl.trans(k), g, input_precision=PRECISION)
             if HAS_UK:
                 uk = load_tile(uk_base, offs_n, offs_d, sukn, M, HEAD_DIM)
                 g = tl.dot(q, tl.trans(uk), g, input_precision=PRECISION)
-            pg = p * (g * scale)
+            pg = p * g * scale
             c += tl.sum(pg, 1)
-            t += tl.sum(pg * dp, 1)
-            x += pg * (dp - delta[:, None])
-            acc_do = tl.dot(pg.to(v.dtype), v, acc_do, input_precision=PRECISION)
-            if HAS_UK:
-                ds = p * (dp - delta[:, None])
-                acc_q = tl.dot(ds.to(uk.dtype), uk, acc_q, input_precision=PRECISION)
-        acc_q = tl.dot(x.to(k.dtype), k, acc_q, input_precision=PRECISION)
-        acc_pk = tl.dot(p.to(k.dtype), k, acc_pk, input_precision=PRECISION)
+            if WANT_GQ:
+                dp_shift = tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None]
+                x += pg * dp_shift
+                if HAS_UK:
+                    acc_q = tl.dot((p * dp_shift).to(uk.dtype), uk, acc_q, input_precision=PRECISION)
+            if WANT_GDO:
+                acc_do = tl.dot(pg.to(v.dtype), v, acc_do, input_precision=PRECISION)
+        if WANT_GQ:
+            x_sum += tl.sum(x, 1)
+            acc_q = tl.dot(x.to(k.dtype), k, acc_q, input_precision=PRECISION)
+            acc_pk = tl.dot(p.to(k.dtype), k, acc_pk, input_precision=PRECISION)
 
-    e = t - 2.0 * c * delta
-    gq = acc_q * scale - (scale * (c * delta + e))[:, None] * acc_pk
-    if HAS_G:
-        dq = load_tile(DQ + b * sdqb + h * sdqh, offs_m, offs_d, sdqn, N, HEAD_DIM).to(tl.float32)
-        o = load_tile(O + b * sob + h * soh, offs_m, offs_d, son, N, HEAD_DIM).to(tl.float32)
-        gq -= c[:, None] * dq
-        acc_do -= c[:, None] * o
-    store_tile(GQ + b * sgb + h * sgh, gq, offs_m, offs_d, sgn, N, HEAD_DIM)
-    store_tile(GDO + b * sgb + h * sgh, acc_do, offs_m, offs_d, sgn, N, HEAD_DIM)
-    tl.store(C + row + offs_m, c, mask=offs_m < N)
-    tl.store(E + row + offs_m, e, mask=offs_m < N)
+    if WANT_GQ:
+        gq = acc_q * scale - (scale * x_sum)[:, None] * acc_pk
+        if HAS_G:
+            dq = load_tile(DQ + b * sdqb + h * sdqh, offs_m, offs_d, sdqn, N, HEAD_DIM).to(tl.float32)
+            gq -= c[:, None] * dq
+        store_tile(GQ + b * sgb + h * sgh, gq, offs_m, offs_d, sgn, N, HEAD_DIM)
+        tl.store(C + row + offs_m, c, mask=offs_m < N)
+        tl.store(E + row + offs_m, x_sum - c * delta, mask=offs_m < N)
+    if WANT_GDO:
+        if HAS_G:
+            o = load_tile(O + b * sob + h * soh, offs_m, offs_d, son, N, HEAD_DIM).to(tl.float32)
+            acc_do -= c[:, None] * o
+        store_tile(GDO + b * sgb + h * sgh, acc_do, offs_m, offs_d, sgn, N, HEAD_DIM)
 
 
 @triton.jit
@@ -119,7 +138,8 @@ def attention_bob_cols_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """One program: BLOCK_N keys of one (batch, kv head), summing over its GROUP query heads;
-    writes K̄ and V̄. Grid (cdiv(M, BLOCK_N), B * Hkv). GK and GV share strides."""
+    writes K̄ and V̄. Grid (cdiv(M, BLOCK_N), B * Hkv). GK and GV share strides. Tiles are
+    (BLOCK_N, BLOCK_M): the transposes of the rows kernel's."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // HEADS_KV).to(tl.int64)
@@ -149,32 +169,32 @@ def attention_bob_cols_kernel(
             q = load_tile(q_base, offs_m, offs_d, sqn, N, HEAD_DIM)
             lse2 = lse_log2(Lse + row, offs_m, N)
             e = tl.load(E + row + offs_m, mask=offs_m < N, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale_log2
-            p = tl.exp2(s - lse2[:, None])
-            p = tl.where(visible(offs_m, offs_n, N, M, OFFSET, WINDOW, CAUSAL, HAS_WINDOW), p, 0.0)
-            gp = tl.zeros([BLOCK_M, BLOCK_N], tl.float32) - e[:, None]    # G_P - e
+            st = tl.dot(k, tl.trans(q), input_precision=PRECISION)
+            pt = tl.exp2(st * qk_scale_log2 - lse2[None, :])
+            if col_tile_needs_mask(start_m, start_n, OFFSET, WINDOW, CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N):
+                pt = tl.where(visible_t(offs_n, offs_m, OFFSET, WINDOW, CAUSAL, HAS_WINDOW), pt, 0.0)
+            gpt = tl.zeros([BLOCK_N, BLOCK_M], tl.float32) - e[None, :]    # (G_P - e)^T
             if HAS_UV or HAS_G:
                 do = load_tile(do_base, offs_m, offs_d, sdon, N, HEAD_DIM)
             if HAS_UV:
-                gp += tl.dot(do, tl.trans(uv), input_precision=PRECISION)
+                gpt = tl.dot(uv, tl.trans(do), gpt, input_precision=PRECISION)
             if HAS_G:
                 delta = tl.load(Delta + row + offs_m, mask=offs_m < N, other=0.0)
                 c = tl.load(C + row + offs_m, mask=offs_m < N, other=0.0)
-                dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-                g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+                gt = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
                 if HAS_UQ:
                     uq = load_tile(uq_base, offs_m, offs_d, suqn, N, HEAD_DIM)
-                    g = tl.dot(uq, tl.trans(k), g, input_precision=PRECISION)
+                    gt = tl.dot(k, tl.trans(uq), gt, input_precision=PRECISION)
                 if HAS_UK:
-                    g = tl.dot(q, tl.trans(uk), g, input_precision=PRECISION)
-                g = g * scale
-                gp += g * (dp - delta[:, None]) - c[:, None] * dp
-                g_dp = p * (g - c[:, None])
-                acc_v = tl.dot(tl.trans(g_dp.to(do.dtype)), do, acc_v, input_precision=PRECISION)
+                    gt = tl.dot(uk, tl.trans(q), gt, input_precision=PRECISION)
+                gt = gt * scale
+                dpt_shift = dpt - delta[None, :]
+                gpt += gt * dpt_shift - c[None, :] * dpt
+                g_dpt = pt * (gt - c[None, :])
+                acc_v = tl.dot(g_dpt.to(do.dtype), do, acc_v, input_precision=PRECISION)
                 if HAS_UQ:
-                    ds = p * (dp - delta[:, None])
-                    acc_k = tl.dot(tl.trans(ds.to(uq.dtype)), uq, acc_k, input_precision=PRECISION)
-            g_s = p * gp
-            acc_k = tl.dot(tl.trans(g_s.to(q.dtype)), q, acc_k, input_precision=PRECISION)
+                    acc_k = tl.dot((pt * dpt_shift).to(uq.dtype), uq, acc_k, input_precision=PRECISION)
+            acc_k = tl.dot((pt * gpt).to(q.dtype), q, acc_k, input_precision=PRECISION)
     store_tile(GK + b * sgb + hk * sgh, acc_k * scale, offs_n, offs_d, sgn, M, HEAD_DIM)
     store_tile(GV + b * sgb + hk * sgh, acc_v, offs_n, offs_d, sgn, M, HEAD_DIM)

@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from ._tiles import key_range, load_tile, store_tile, visible
+from ._tiles import key_range, load_tile, row_tile_needs_mask, store_tile, visible
 
 
 @triton.jit
@@ -38,7 +38,8 @@ def attention_forward_kernel(
         k = load_tile(k_base, offs_n, offs_d, skn, M, HEAD_DIM)
         v = load_tile(v_base, offs_n, offs_d, svn, M, HEAD_DIM)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale_log2
-        s = tl.where(visible(offs_m, offs_n, N, M, OFFSET, WINDOW, CAUSAL, HAS_WINDOW), s, float("-inf"))
+        if row_tile_needs_mask(start_m, start_n, M, OFFSET, WINDOW, CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N):
+            s = tl.where(visible(offs_m, offs_n, N, M, OFFSET, WINDOW, CAUSAL, HAS_WINDOW), s, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(s, 1))
         # Rows that have seen no visible key yet keep a -inf max; shift them by 0 instead.
         shift = tl.where(new_max == float("-inf"), 0.0, new_max)

@@ -45,6 +45,32 @@ def visible(offs_m, offs_n, N, M, OFFSET, WINDOW, CAUSAL: tl.constexpr, HAS_WIND
 
 
 @triton.jit
+def row_tile_needs_mask(start_m, start_n, M, OFFSET, WINDOW, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """In a kernel over query rows: whether key tile start_n has keys that some row of the block
+    start_m may not see (past M, after the causal limit, or before the window)."""
+    needs = start_n + BLOCK_N > M
+    if CAUSAL:
+        needs = needs | (start_n + BLOCK_N > start_m + OFFSET + 1)
+        if HAS_WINDOW:
+            needs = needs | (start_n < start_m + BLOCK_M + OFFSET - WINDOW)
+    return needs
+
+
+@triton.jit
+def col_tile_needs_mask(start_m, start_n, OFFSET, WINDOW, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """In a kernel over key columns: whether query tile start_m has rows that may not see some key
+    of the block start_n. Rows past N need no mask there: their lse is +inf, so P is 0."""
+    needs = start_m < 0
+    if CAUSAL:
+        needs = needs | (start_m < start_n + BLOCK_N - 1 - OFFSET)
+        if HAS_WINDOW:
+            needs = needs | (start_m + BLOCK_M > start_n - OFFSET + WINDOW)
+    return needs
+
+
+@triton.jit
 def key_range(start_m, M, OFFSET, WINDOW, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """[lo, hi): the keys that rows start_m .. start_m + BLOCK_M - 1 may see; lo is BLOCK_N-aligned."""
@@ -77,3 +103,12 @@ def lse_log2(lse_ptr, offs_m, N):
     """Row log-sum-exp in base 2, +inf on rows that see no key (so exp2(s - lse) is 0 there)."""
     lse = tl.load(lse_ptr + offs_m, mask=offs_m < N, other=float("inf"))
     return tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+
+
+@triton.jit
+def visible_t(offs_n, offs_m, OFFSET, WINDOW, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """(BLOCK_N, BLOCK_M) mask for kernels over key columns: True where query offs_m sees key offs_n."""
+    mask = offs_n[:, None] <= offs_m[None, :] + OFFSET
+    if HAS_WINDOW:
+        mask = mask & (offs_n[:, None] > offs_m[None, :] + OFFSET - WINDOW)
+    return mask

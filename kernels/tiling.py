@@ -28,7 +28,15 @@ def _cuda_default(kernel: str, bd: int) -> tuple[int, int, int, int]:
         return (128, 64, 8, 3) if bd <= 128 else (64, 32, 4, 2)
     if kernel in ("backward_kv", "backward_q"):
         return (64, 64, 4, 2) if bd <= 64 else (64, 64, 8, 2) if bd <= 128 else (32, 32, 4, 1)
-    return (64, 64, 4, 2) if bd <= 64 else (64, 32, 8, 2) if bd <= 128 else (32, 16, 4, 1)
+    if kernel == "bob_rows":
+        return (64, 32, 4, 2) if bd <= 128 else (32, 32, 4, 1)
+    return (64, 64, 4, 2) if bd <= 128 else (32, 32, 4, 1)
+
+
+def split_bob_rows(head_dim: int) -> bool:
+    """Whether the BoB rows kernel runs as two launches (Q̄, then dŌ): above head dim 64 its three
+    (BLOCK_M, D) float32 accumulators would spill registers. The interpreter follows the same rule."""
+    return block_d(head_dim) > 64
 
 
 def choose(kernel: str, q: torch.Tensor, **flags) -> dict:
