@@ -1,0 +1,12 @@
+"""Long-context test-time-training layers: transformer blocks whose fast weights learn while reading.
+
+inner = InnerLoopConfig(params=["layers.*.ttt_mlp.*"], lr=1.0)
+model = TTTTransformer(Transformer(cfg), TTTConfig(suffix_len=1), inner)
+model.token_losses(tokens).mean().backward()   # differentiates through the inner steps
+"""
+
+from .block import SuffixBlock
+from .config import TTTConfig
+from .model import TTTTransformer
+
+__all__ = ["SuffixBlock", "TTTConfig", "TTTTransformer"]

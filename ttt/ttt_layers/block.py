@@ -1,0 +1,68 @@
+"""`SuffixBlock`: a `Transformer` block that reads a sequence chunk by chunk, carrying its sliding-window
+key/value cache across chunks, optionally with an extra fast-weight MLP (TTT-E2E)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ttt.models.attention import attention
+from ttt.models.transformer import Block, RMSNorm, SwiGLU, TransformerConfig, apply_rope
+
+KVCache = tuple[torch.Tensor, torch.Tensor] | None
+"""Keys (RoPE applied) and values of the most recent positions, each (B, n_kv_heads, M, head_dim)."""
+
+
+class SuffixBlock(nn.Module):
+    """Same parameters and computation as `Block` (it takes over the block's modules, so parameter
+    names stay layers.{i}.attn.wq.weight etc.), plus, with an extra MLP,
+    x + ttt_mlp(ttt_norm(x)) between attention and the block's MLP. The extra MLP's output projection
+    starts at zero, so a fresh SuffixBlock computes exactly what the block did."""
+
+    def __init__(self, block: Block, cfg: TransformerConfig, extra_hidden: int | None):
+        super().__init__()
+        self.cfg = cfg
+        self.attn_norm, self.attn, self.mlp_norm, self.mlp = (
+            block.attn_norm,
+            block.attn,
+            block.mlp_norm,
+            block.mlp,
+        )
+        if extra_hidden is None:
+            self.ttt_norm = self.ttt_mlp = None
+        else:
+            device = block.attn_norm.weight.device
+            self.ttt_norm = RMSNorm(cfg.d_model, cfg.norm_eps).to(device)
+            self.ttt_mlp = SwiGLU(cfg.d_model, extra_hidden).to(device)
+            nn.init.normal_(self.ttt_mlp.w_gate.weight, std=0.02)
+            nn.init.normal_(self.ttt_mlp.w_up.weight, std=0.02)
+            nn.init.zeros_(self.ttt_mlp.w_down.weight)
+
+    def kept_keys(self) -> int | None:
+        """How many past positions a later query can still see: window - 1 (None: all, full attention)."""
+        return None if self.cfg.window is None else self.cfg.window - 1
+
+    def attend(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache):
+        """Attention of the chunk x (B, C, d) over the cache and itself; cos, sin (C, head_dim) are the
+        RoPE tables of the chunk's absolute positions. Returns ((B, C, d), the cache for the next chunk)."""
+        batch, seq, _ = x.shape
+        cfg, attn = self.cfg, self.attn
+        q = attn.wq(x).view(batch, seq, cfg.n_heads, cfg.head_size).transpose(1, 2)
+        k = attn.wk(x).view(batch, seq, cfg.kv_heads, cfg.head_size).transpose(1, 2)
+        v = attn.wv(x).view(batch, seq, cfg.kv_heads, cfg.head_size).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
+        out = attention(q, k, v, backend=cfg.attention, causal=True, window=cfg.window)
+        keep = self.kept_keys()
+        first = 0 if keep is None else max(0, k.shape[2] - keep)
+        out = attn.wo(out.transpose(1, 2).reshape(batch, seq, cfg.n_heads * cfg.head_size))
+        return out, (k[:, :, first:], v[:, :, first:])
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache = None):
+        """One chunk: x (B, C, d_model) -> ((B, C, d_model), the key/value cache for the next chunk)."""
+        attended, cache = self.attend(self.attn_norm(x), cos, sin, cache)
+        x = x + attended
+        if self.ttt_mlp is not None:
+            x = x + self.ttt_mlp(self.ttt_norm(x))
+        return x + self.mlp(self.mlp_norm(x)), cache

@@ -1,0 +1,47 @@
+"""`TTTConfig`: where the fast weights sit and how the context is read, chunk by chunk."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class TTTConfig:
+    """Test-time training of a `Transformer` while it reads (TTT-E2E style). The inner optimizer, its
+    learning rate (learnable or not), steps per chunk, clipping, first-order and checkpointing options
+    are the recipe's `inner` section (`InnerLoopConfig`); its `params` globs choose the fast weights."""
+
+    enabled: bool = True
+    """Update the fast weights while reading; false gives the same model without test-time training."""
+    suffix_len: int = 1
+    """The last suffix_len blocks are read chunk by chunk and may hold fast weights (TTT-E2E: 3 of 12)."""
+    extra_mlp: bool = True
+    """Give each suffix block an extra SwiGLU MLP (ttt_norm, ttt_mlp) between attention and its MLP."""
+    extra_mlp_hidden: int | None = None
+    """Hidden width of the extra MLP; null: the model's d_ff."""
+    chunk_len: int = 64
+    """Tokens per chunk: each chunk is scored, then the fast weights take inner.steps steps on its loss."""
+    lr_warmup_steps: int = 0
+    """Outer steps over which the inner learning rate rises linearly to its full value."""
+    lr_warmup_start: float = 0.1
+    """Fraction of the inner learning rate at outer step 0 of the warm-up (TTT-E2E: 0.1)."""
+
+    def __post_init__(self):
+        if self.suffix_len < 1:
+            raise ValueError(f"ttt.suffix_len must be a positive int, got {self.suffix_len}")
+        if self.extra_mlp_hidden is not None and self.extra_mlp_hidden < 1:
+            raise ValueError(
+                f"ttt.extra_mlp_hidden must be a positive int or null, got {self.extra_mlp_hidden}"
+            )
+        if self.chunk_len < 1:
+            raise ValueError(f"ttt.chunk_len must be a positive int, got {self.chunk_len}")
+        if self.lr_warmup_steps < 0:
+            raise ValueError(f"ttt.lr_warmup_steps must be >= 0, got {self.lr_warmup_steps}")
+        if not 0 <= self.lr_warmup_start <= 1:
+            raise ValueError(f"ttt.lr_warmup_start must be in [0, 1], got {self.lr_warmup_start}")
+
+    def lr_scale(self, outer_step: int) -> float:
+        """Factor on the inner learning rates at `outer_step` (linear warm-up, then 1)."""
+        if outer_step >= self.lr_warmup_steps:
+            return 1.0
+        return self.lr_warmup_start + (1 - self.lr_warmup_start) * outer_step / self.lr_warmup_steps

@@ -1,0 +1,243 @@
+"""`TTTTransformer`: a `Transformer` whose last blocks learn while they read (end-to-end TTT).
+
+Reading one sequence (TTT-E2E, arXiv 2512.23675):
+
+    prefix blocks (no fast weights) run once over the whole sequence (sliding-window attention);
+    for each chunk c of ttt.chunk_len tokens:
+        suffix blocks read the chunk with the fast weights W_c and each layer's key/value cache
+        (the window - 1 most recent positions, carried across chunks); next-token losses L_c;
+        W_{c+1} = W_c after inner.steps optimizer steps on mean(L_c)            (apply, then update)
+    outer (meta) loss = mean over all positions of L_c: each chunk is scored before its own update.
+
+The outer gradient differentiates through every update (second order unless inner.first_order),
+hence through the suffix attention: that is backward-over-backward of attention (FlashBoB).
+Each sequence of a batch gets its own fast weights (rows are read one after another).
+
+Parameter names are those of `Transformer`, plus layers.{i}.ttt_norm.weight and
+layers.{i}.ttt_mlp.{w_gate,w_up,w_down}.weight in the suffix blocks with ttt.extra_mlp, and the
+learnable inner learning rates inner.lrs.{j} (inner.learnable_lr).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call
+from torch.utils.checkpoint import checkpoint
+
+from ttt.inner import InnerLoop, InnerLoopConfig
+from ttt.inner.loop import clip_by_global_norm
+from ttt.models.transformer import Transformer, rope_cos_sin
+
+from .block import SuffixBlock
+from .config import TTTConfig
+
+
+class TTTTransformer(nn.Module):
+    """A `Transformer` (its modules taken over) with fast weights in its last ttt.suffix_len blocks.
+
+    forward: tokens (B, N) int64 -> logits (B, N, vocab). token_losses: tokens (B, N) -> next-token
+    losses (B, N - 1), the training objective. The fast weights are the suffix blocks' parameters that
+    inner.params (glob patterns over full names) select: layers.*.mlp.* means the suffix blocks' MLPs.
+    """
+
+    def __init__(self, base: Transformer, ttt: TTTConfig, inner: InnerLoopConfig):
+        super().__init__()
+        if not isinstance(base, Transformer):
+            raise TypeError(
+                f"test-time training needs a ttt.models.Transformer (Llama-style), got {type(base).__name__}"
+            )
+        cfg = base.cfg
+        if ttt.suffix_len > cfg.n_layers:
+            raise ValueError(f"ttt.suffix_len ({ttt.suffix_len}) must be <= model.n_layers ({cfg.n_layers})")
+        self.cfg, self.ttt_cfg, self.inner_cfg = cfg, ttt, inner
+        self.first_suffix = cfg.n_layers - ttt.suffix_len
+        hidden = (ttt.extra_mlp_hidden or cfg.ff_size) if ttt.extra_mlp else None
+        self.embed, self.norm, self.lm_head = base.embed, base.norm, base.lm_head
+        self.layers = nn.ModuleList(
+            [
+                *base.layers[: self.first_suffix],
+                *(SuffixBlock(b, cfg, hidden) for b in base.layers[self.first_suffix :]),
+            ]
+        )
+        fast = self._select_fast_weights(inner.params)
+        self.block_params = [
+            [(full, full.split(".", 2)[2]) for full in fast if int(full.split(".")[1]) == i]
+            for i in range(self.first_suffix, cfg.n_layers)
+        ]
+        self.inner = InnerLoop(fast, inner)
+
+    def _select_fast_weights(self, patterns: list[str]) -> dict[str, nn.Parameter]:
+        """The suffix blocks' parameters whose full names match a glob pattern (fnmatch)."""
+        candidates = {
+            f"layers.{i}.{name}": param
+            for i in range(self.first_suffix, self.cfg.n_layers)
+            for name, param in self.layers[i].named_parameters()
+        }
+        for pattern in patterns:
+            if not fnmatch.filter(candidates, pattern):
+                raise ValueError(
+                    f"inner.params pattern {pattern!r} matches no parameter of the suffix blocks "
+                    f"(layers {self.first_suffix}..{self.cfg.n_layers - 1}, "
+                    f"ttt.suffix_len={self.ttt_cfg.suffix_len}); they are: {list(candidates)}"
+                )
+        return {
+            name: p
+            for name, p in candidates.items()
+            if any(fnmatch.fnmatchcase(name, pat) for pat in patterns)
+        }
+
+    @property
+    def suffix(self) -> list[SuffixBlock]:
+        """The blocks read chunk by chunk."""
+        return list(self.layers[self.first_suffix :])
+
+    def initial_fast_weights(self) -> dict[str, torch.Tensor]:
+        """The fast weights' meta-learned initial values (live parameters), by full name."""
+        return {full: self.get_parameter(full) for names in self.block_params for full, _ in names}
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm and output head: (..., d_model) -> logits (..., vocab_size)."""
+        h = self.norm(hidden)
+        return h @ self.embed.weight.t() if self.lm_head is None else self.lm_head(h)
+
+    def _suffix_chunk(self, fast, hidden, targets, cos, sin, caches):
+        """Suffix blocks and head on one chunk with fast weights `fast`: (logits (1, C, V), per-token
+        losses (T,) for the first T = len(targets) positions, caches for the next chunk)."""
+        x, new_caches = hidden, []
+        for block, names, cache in zip(self.suffix, self.block_params, caches):
+            params = {inside: fast[full] for full, inside in names}
+            x, cache = functional_call(block, params, (x, cos, sin, cache), strict=False)
+            new_caches.append(cache)
+        logits = self.head(x)
+        scored = logits[0, : targets.shape[0]]
+        losses = F.cross_entropy(
+            scored.to(torch.promote_types(scored.dtype, torch.float32)), targets, reduction="none"
+        )
+        return logits, losses, new_caches
+
+    def _read_chunk(
+        self, fast, state, lrs, hidden, targets, cos, sin, caches, steps, create_graph, keep_logits
+    ):
+        """Score one chunk with `fast`, then take `steps` inner steps on its mean loss.
+        Returns (logits or None, per-token losses (T,), caches, updated fast weights, optimizer state)."""
+        logits, losses, new_caches = self._suffix_chunk(fast, hidden, targets, cos, sin, caches)
+        if targets.numel() == 0:
+            steps = 0
+        for step in range(steps):
+            loss = (
+                losses.mean()
+                if step == 0
+                else self._suffix_chunk(fast, hidden, targets, cos, sin, caches)[1].mean()
+            )
+            grads = torch.autograd.grad(
+                loss,
+                list(fast.values()),
+                create_graph=create_graph,
+                retain_graph=create_graph or step == 0,  # step 0's loss is also part of the outer loss
+                materialize_grads=True,
+            )
+            grads = dict(zip(fast, grads))
+            if self.inner_cfg.grad_clip is not None:
+                grads = clip_by_global_norm(grads, self.inner_cfg.grad_clip)
+            fast, state = self.inner.optimizer.step(fast, grads, state, lrs)
+        return (logits if keep_logits else None), losses, new_caches, fast, state
+
+    def read(
+        self,
+        tokens: torch.Tensor,
+        *,
+        adapt: bool | None = None,
+        steps: int | None = None,
+        first_order: bool | None = None,
+        lr_scale: float = 1.0,
+        outer_grad: bool = True,
+        keep_logits: bool = False,
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Read one sequence tokens (1, N) chunk by chunk. Returns (logits (1, N, V) or None unless
+        keep_logits, next-token losses (N - 1,)).
+
+        adapt: update the fast weights (default ttt.enabled); steps: inner steps per chunk (default
+        inner.steps); first_order: default inner.first_order; lr_scale multiplies the inner learning
+        rates (warm-up); outer_grad=False detaches every chunk (evaluation: memory stays flat).
+        """
+        n = tokens.shape[1]
+        adapt = self.ttt_cfg.enabled if adapt is None else adapt
+        steps = (self.inner_cfg.steps if steps is None else steps) if adapt else 0
+        create_graph = outer_grad and not (self.inner_cfg.first_order if first_order is None else first_order)
+        if steps and not torch.is_grad_enabled():
+            raise RuntimeError("test-time training needs grad mode: wrap evaluation in torch.enable_grad()")
+        cos, sin = rope_cos_sin(n, self.cfg.head_size, self.cfg.rope_theta, tokens.device)
+        with torch.set_grad_enabled(outer_grad and torch.is_grad_enabled()):
+            hidden = self.embed(tokens)
+            for block in self.layers[: self.first_suffix]:
+                hidden = block(hidden, cos, sin)
+        fast = self.initial_fast_weights()
+        lrs = {
+            name: lr.to(fast[name].dtype) * lr_scale if torch.is_tensor(lr) else lr * lr_scale
+            for name, lr in self.inner.learning_rates().items()
+        }
+        if not outer_grad:
+            fast = {name: p.detach().requires_grad_() for name, p in fast.items()}
+            lrs = {name: lr.detach() if torch.is_tensor(lr) else lr for name, lr in lrs.items()}
+        state = self.inner.optimizer.init(fast)
+        caches, all_logits, all_losses = [None] * len(self.suffix), [], []
+        use_checkpoint = self.inner_cfg.checkpoint and outer_grad and steps > 0
+        for start in range(0, n, self.ttt_cfg.chunk_len):
+            end = min(start + self.ttt_cfg.chunk_len, n)
+            args = (
+                fast,
+                state,
+                lrs,
+                hidden[:, start:end],
+                tokens[0, start + 1 : end + 1],
+                cos[start:end],
+                sin[start:end],
+                caches,
+                steps,
+                create_graph,
+                keep_logits,
+            )
+            if use_checkpoint:
+                logits, losses, caches, fast, state = checkpoint(self._read_chunk, *args, use_reentrant=False)
+            else:
+                logits, losses, caches, fast, state = self._read_chunk(*args)
+            if not outer_grad:
+                logits, losses = (None if logits is None else logits.detach()), losses.detach()
+                caches = [(k.detach(), v.detach()) for k, v in caches]
+                fast = {name: p.detach().requires_grad_() for name, p in fast.items()}
+                state = _detached(state)
+            all_logits.append(logits)
+            all_losses.append(losses)
+        return (torch.cat(all_logits, dim=1) if keep_logits else None), torch.cat(all_losses)
+
+    def token_losses(self, tokens: torch.Tensor, **options) -> torch.Tensor:
+        """Next-token losses of every position, tokens (B, N) int64 -> (B, N - 1) float32; options as
+        in `read`. Its mean is the meta-training objective."""
+        _check_tokens(tokens)
+        return torch.stack([self.read(tokens[i : i + 1], **options)[1] for i in range(tokens.shape[0])])
+
+    def forward(self, tokens: torch.Tensor, **options) -> torch.Tensor:
+        """tokens (B, N) int64 -> logits (B, N, vocab_size), reading with test-time training (options as in
+        `read`)."""
+        _check_tokens(tokens)
+        return torch.cat(
+            [self.read(tokens[i : i + 1], keep_logits=True, **options)[0] for i in range(len(tokens))]
+        )
+
+
+def _check_tokens(tokens: torch.Tensor) -> None:
+    if tokens.dim() != 2 or tokens.dtype != torch.long or tokens.shape[1] < 1:
+        raise ValueError(
+            f"tokens must be a (batch, seq) int64 tensor, got {tuple(tokens.shape)} {tokens.dtype}"
+        )
+
+
+def _detached(state):
+    """An optimizer state (nested dicts of tensors and ints) with every tensor detached."""
+    if isinstance(state, dict):
+        return {key: _detached(value) for key, value in state.items()}
+    return state.detach() if torch.is_tensor(state) else state
