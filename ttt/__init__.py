@@ -6,6 +6,6 @@ Layout
     ttt.tasks       synthetic task generators, local-file corpora, a no-download tokenizer
     ttt.meta        the Lightning meta-learning module and data module
     ttt.config      typed configs, recipe loading and override checking
-    ttt.runs        run directories, atomic checkpoints, summaries
+    ttt.tracking        run directories, atomic checkpoints, summaries
     ttt.train       the command line: `python -m ttt.train recipe=NAME key=value ...`
 """

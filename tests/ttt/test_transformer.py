@@ -81,3 +81,11 @@ def test_bad_config_names_the_key(overrides, key):
 def test_bad_tokens_are_rejected():
     with pytest.raises(ValueError, match="int64"):
         _model()(torch.zeros(2, 3))
+
+
+def test_explicit_head_dim_and_ffn_width():
+    model = _model(head_dim=12, d_ff=40, n_kv_heads=1)
+    assert model.layers[0].attn.wq.weight.shape == (4 * 12, 32)
+    assert model.layers[0].attn.wk.weight.shape == (12, 32)
+    assert model.layers[0].mlp.w_up.weight.shape == (40, 32)
+    assert model(torch.randint(0, 37, (1, 6))).shape == (1, 6, 37)

@@ -64,30 +64,39 @@ class TransformerConfig:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"model.{name} must be a positive int, got {getattr(self, name)}")
-        if self.n_kv_heads is None:
-            self.n_kv_heads = self.n_heads
-        if self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads != 0:
+        if self.kv_heads < 1 or self.n_heads % self.kv_heads != 0:
             raise ValueError(
                 f"model.n_kv_heads must divide model.n_heads ({self.n_heads}), got {self.n_kv_heads}"
             )
-        if self.head_dim is None:
-            if self.d_model % self.n_heads != 0:
-                raise ValueError(
-                    f"model.d_model ({self.d_model}) must be a multiple of model.n_heads ({self.n_heads}) "
-                    "unless model.head_dim is set"
-                )
-            self.head_dim = self.d_model // self.n_heads
-        if self.head_dim < 2 or self.head_dim % 2 != 0:
-            raise ValueError(f"model.head_dim must be an even int >= 2 (RoPE), got {self.head_dim}")
-        if self.d_ff is None:
-            self.d_ff = 32 * math.ceil(8 * self.d_model / 3 / 32)
-        if self.d_ff < 1:
+        if self.head_dim is None and self.d_model % self.n_heads != 0:
+            raise ValueError(
+                f"model.d_model ({self.d_model}) must be a multiple of model.n_heads ({self.n_heads}) "
+                "unless model.head_dim is set"
+            )
+        if self.head_size < 2 or self.head_size % 2 != 0:
+            raise ValueError(f"model.head_dim must be an even int >= 2 (RoPE), got {self.head_size}")
+        if self.ff_size < 1:
             raise ValueError(f"model.d_ff must be a positive int, got {self.d_ff}")
         if self.window is not None and self.window < 1:
             raise ValueError(f"model.window must be a positive int or null, got {self.window}")
         if self.rope_theta <= 0 or self.norm_eps <= 0:
             raise ValueError("model.rope_theta and model.norm_eps must be positive")
         check_attention_backend(self.attention)
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads in use: n_kv_heads, or n_heads when unset."""
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def head_size(self) -> int:
+        """Head width in use: head_dim, or d_model // n_heads when unset."""
+        return self.d_model // self.n_heads if self.head_dim is None else self.head_dim
+
+    @property
+    def ff_size(self) -> int:
+        """SwiGLU hidden width in use: d_ff, or 8/3 * d_model rounded up to a multiple of 32 when unset."""
+        return 32 * math.ceil(8 * self.d_model / 3 / 32) if self.d_ff is None else self.d_ff
 
 
 class RMSNorm(nn.Module):
@@ -126,20 +135,20 @@ class Attention(nn.Module):
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
         self.cfg = cfg
-        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_size, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_size, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_size, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_size, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
         cfg = self.cfg
-        q = self.wq(x).view(batch, seq, cfg.n_heads, cfg.head_dim).transpose(1, 2)
-        k = self.wk(x).view(batch, seq, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
-        v = self.wv(x).view(batch, seq, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
+        q = self.wq(x).view(batch, seq, cfg.n_heads, cfg.head_size).transpose(1, 2)
+        k = self.wk(x).view(batch, seq, cfg.kv_heads, cfg.head_size).transpose(1, 2)
+        v = self.wv(x).view(batch, seq, cfg.kv_heads, cfg.head_size).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attention(q, k, v, backend=cfg.attention, causal=True, window=cfg.window)
-        return self.wo(out.transpose(1, 2).reshape(batch, seq, cfg.n_heads * cfg.head_dim))
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, cfg.n_heads * cfg.head_size))
 
 
 class SwiGLU(nn.Module):
@@ -163,7 +172,7 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg.d_model, cfg.d_ff)
+        self.mlp = SwiGLU(cfg.d_model, cfg.ff_size)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)
@@ -200,7 +209,7 @@ class Transformer(nn.Module):
             raise ValueError(
                 f"tokens must be a (batch, seq) int64 tensor, got {tuple(tokens.shape)} {tokens.dtype}"
             )
-        cos, sin = rope_cos_sin(tokens.shape[1], self.cfg.head_dim, self.cfg.rope_theta, tokens.device)
+        cos, sin = rope_cos_sin(tokens.shape[1], self.cfg.head_size, self.cfg.rope_theta, tokens.device)
         x = self.embed(tokens)
         for layer in self.layers:
             x = layer(x, cos, sin)

@@ -1,0 +1,95 @@
+"""Tiny end-to-end runs of every recipe through the command line, and resume = uninterrupted."""
+
+import json
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+import ttt.train
+from ttt.train import main, make_trainer
+
+
+@pytest.mark.parametrize("recipe", ["maml_longctx", "maml_sinusoid"])
+def test_tiny_recipe_run_writes_the_run_directory(recipe, tiny_overrides, tmp_path, capsys):
+    assert main(tiny_overrides(recipe, "run.name=tiny")) == 0
+    run = tmp_path / "tiny"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["outer_steps"] == 2 and summary["recipe"] == recipe
+    assert summary["query_loss_adapted"] != summary["query_loss_unadapted"]
+    if recipe == "maml_longctx":
+        assert {"query_acc_adapted", "query_acc_unadapted"} <= set(summary)
+    assert summary["time_per_outer_step_s"] > 0 and summary["peak_memory_gib"] is None
+    assert (run / "config.yaml").is_file() and (run / "checkpoints" / "last.ckpt").is_file()
+    assert "val/query_loss_adapted" in (run / "logs" / "version_0" / "metrics.csv").read_text()
+    assert "query_loss" in capsys.readouterr().out
+    assert not list(run.rglob("*.tmp"))
+
+
+def test_existing_run_directory_is_not_overwritten(tiny_overrides, tmp_path):
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "file").write_text("x")
+    assert main(tiny_overrides("maml_sinusoid", "run.name=taken")) == 2
+
+
+def _state(run):
+    return torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
+
+
+class _Crash(Exception):
+    """Stands for the process dying."""
+
+
+class _CrashAtEpoch(pl.Callback):
+    def __init__(self, epoch):
+        self.epoch = epoch
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        if trainer.current_epoch == self.epoch:
+            raise _Crash
+
+
+def test_interrupted_and_resumed_run_reaches_the_uninterrupted_state(tiny_overrides, tmp_path, monkeypatch):
+    four_steps = ["trainer.max_steps=4", "trainer.steps_per_epoch=2", "inner.learnable_lr=tensor"]
+    assert main(tiny_overrides("maml_longctx", "run.name=straight", *four_steps)) == 0
+
+    def crashing_trainer(*args, **kwargs):
+        trainer = make_trainer(*args, **kwargs)
+        trainer.callbacks.append(_CrashAtEpoch(1))
+        return trainer
+
+    monkeypatch.setattr(ttt.train, "make_trainer", crashing_trainer)
+    with pytest.raises(_Crash):
+        main(tiny_overrides("maml_longctx", "run.name=crashed", *four_steps))
+    assert _state(tmp_path / "crashed")["global_step"] == 2
+    monkeypatch.setattr(ttt.train, "make_trainer", make_trainer)
+    assert main([f"resume={tmp_path / 'crashed'}"]) == 0
+
+    straight, resumed = _state(tmp_path / "straight"), _state(tmp_path / "crashed")
+    assert resumed["global_step"] == straight["global_step"] == 4
+    assert straight["state_dict"].keys() == resumed["state_dict"].keys()
+    for name, value in straight["state_dict"].items():
+        torch.testing.assert_close(resumed["state_dict"][name], value, rtol=0, atol=0, msg=name)
+    moments = [s["exp_avg"] for s in straight["optimizer_states"][0]["state"].values()]
+    resumed_moments = [s["exp_avg"] for s in resumed["optimizer_states"][0]["state"].values()]
+    assert len(moments) == len(resumed_moments) > 0
+    for a, b in zip(moments, resumed_moments):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    fresh = json.loads((tmp_path / "straight" / "summary.json").read_text())
+    again = json.loads((tmp_path / "crashed" / "summary.json").read_text())
+    assert fresh["query_loss_adapted"] == again["query_loss_adapted"]
+
+
+def test_a_finished_run_can_be_extended(tiny_overrides, tmp_path):
+    assert main(tiny_overrides("maml_sinusoid", "run.name=short")) == 0
+    assert main([f"resume={tmp_path / 'short'}", "trainer.max_steps=4"]) == 0
+    assert _state(tmp_path / "short")["global_step"] == 4
+    assert sorted(p.parent.name for p in (tmp_path / "short" / "logs").rglob("metrics.csv")) == [
+        "version_0",
+        "version_1",
+    ]
+
+
+def test_resume_of_a_missing_run_fails_clearly(tmp_path, capsys):
+    assert main([f"resume={tmp_path / 'nothing'}"]) == 2
+    assert "expected a run directory or a checkpoint file" in capsys.readouterr().err

@@ -1,0 +1,74 @@
+"""Task generators, task streams and the context chunking of the long-context learner."""
+
+import numpy as np
+import torch
+
+from ttt.config import OuterOptimConfig
+from ttt.inner import InnerLoopConfig
+from ttt.learners import ContextChunksConfig, ContextLearner
+from ttt.meta import StepAlignedSampler, SyntheticTasks, held_out_tasks
+from ttt.meta.data import TEST_STREAM, TRAIN_STREAM, VAL_STREAM
+from ttt.models import Transformer, TransformerConfig
+from ttt.tasks import KVRecallConfig, SinusoidConfig, sample_kv_recall, sample_sinusoid
+
+
+def test_kv_recall_queries_ask_for_the_values_written_in_the_context():
+    cfg = KVRecallConfig(n_pairs=6, n_queries=4, n_keys=10, n_values=5, filler_len=20, n_filler_tokens=3)
+    task = sample_kv_recall(cfg, np.random.default_rng(3))
+    tokens, mask = task["tokens"], task["query_mask"]
+    assert tokens.shape == mask.shape == (cfg.seq_len,)
+    assert tokens.max() < cfg.vocab_size
+    pairs = dict(zip(tokens[1:13:2].tolist(), tokens[2:13:2].tolist()))
+    assert len(pairs) == 6
+    positions = np.flatnonzero(mask)
+    assert len(positions) == 4 and positions.min() >= cfg.context_len
+    for pos in positions:
+        assert pairs[int(tokens[pos])] == int(tokens[pos + 1])
+    filler = tokens[13 : cfg.context_len]
+    assert len(filler) == 20 and set(filler.tolist()) <= {2, 3, 4}
+
+
+def test_sinusoid_tasks_follow_one_sine_per_task():
+    cfg = SinusoidConfig()
+    task = sample_sinusoid(cfg, np.random.default_rng(0))
+    assert task["x_support"].shape == (10, 1) and task["y_query"].dtype == np.float32
+    x = np.concatenate([task["x_support"], task["x_query"]])[:, 0].astype(np.float64)
+    y = np.concatenate([task["y_support"], task["y_query"]])[:, 0]
+    design = np.stack([np.sin(x), np.cos(x)], axis=1)
+    coef, *_ = np.linalg.lstsq(design, y, rcond=None)
+    np.testing.assert_allclose(design @ coef, y, atol=1e-5)
+    assert cfg.amplitude_min <= np.hypot(*coef) <= cfg.amplitude_max
+
+
+def test_task_streams_are_deterministic_and_disjoint():
+    cfg = SinusoidConfig()
+    sample = lambda rng: sample_sinusoid(cfg, rng)  # noqa: E731
+    train = SyntheticTasks(sample, seed=0, stream=TRAIN_STREAM)
+    torch.testing.assert_close(train[5]["x_query"], SyntheticTasks(sample, seed=0)[5]["x_query"])
+    assert not torch.equal(train[5]["x_query"], SyntheticTasks(sample, seed=1)[5]["x_query"])
+    val = held_out_tasks(sample, seed=0, stream=VAL_STREAM, count=3)
+    test = held_out_tasks(sample, seed=0, stream=TEST_STREAM, count=3)
+    assert len(val) == 3 and isinstance(val[0]["x_query"], torch.Tensor)
+    assert not torch.equal(val[0]["x_query"], test[0]["x_query"])
+    assert not torch.equal(val[0]["x_query"], train[0]["x_query"])
+
+
+def test_training_stream_follows_the_outer_step():
+    done = [0]
+    sampler = StepAlignedSampler(2, 3, lambda: done[0])
+    assert list(sampler) == [0, 1, 2, 3, 4, 5] and len(sampler) == 6
+    done[0] = 5
+    assert list(sampler) == list(range(15, 21))
+
+
+def test_context_chunks_score_every_context_position_once():
+    model = Transformer(TransformerConfig(vocab_size=16, d_model=16, n_heads=2, window=4, attention="eager"))
+    chunks = ContextChunksConfig(chunk_len=5)
+    learner = ContextLearner(model, InnerLoopConfig(), OuterOptimConfig(), 1, context_len=23, chunks=chunks)
+    assert learner.n_chunks == 5
+    scored = []
+    for chunk in range(learner.n_chunks):
+        fed, start, end = learner.chunk_span(chunk)
+        assert fed == max(0, start - 4)
+        scored += list(range(start, end))
+    assert scored == list(range(22))

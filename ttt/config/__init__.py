@@ -1,0 +1,15 @@
+"""Typed configs shared by every recipe, and loading a recipe's YAML with command-line overrides."""
+
+from .loading import ConfigError, available_recipes, load_config, to_yaml
+from .schema import OuterOptimConfig, RecipeConfig, RunConfig, TrainerConfig
+
+__all__ = [
+    "ConfigError",
+    "OuterOptimConfig",
+    "RecipeConfig",
+    "RunConfig",
+    "TrainerConfig",
+    "available_recipes",
+    "load_config",
+    "to_yaml",
+]

@@ -1,0 +1,138 @@
+"""Config sections every recipe has: outer optimizer, trainer, run directory, seed, resume.
+
+A recipe's config subclasses `RecipeConfig` and adds its own sections (model, task, inner, ...).
+Every field has a one-line docstring (shown by `python -m ttt.train --help`-style tools and kept in
+the YAML comments); every section validates itself in __post_init__ and names the bad key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+OUTER_OPTIMIZERS = ("adamw", "adam", "sgd")
+SCHEDULERS = ("constant", "cosine", "linear")
+
+
+@dataclass
+class OuterOptimConfig:
+    """The outer (meta) optimizer and its learning-rate schedule."""
+
+    name: str = "adamw"
+    """Optimizer: adamw, adam or sgd."""
+    lr: float = 1e-3
+    """Peak learning rate."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay (adamw) or L2 penalty (adam, sgd)."""
+    beta1: float = 0.9
+    """Adam's first-moment decay (sgd: momentum)."""
+    beta2: float = 0.999
+    """Adam's second-moment decay."""
+    grad_clip: float | None = 1.0
+    """Clip the outer gradient to this global L2 norm; null: no clipping."""
+    scheduler: str = "cosine"
+    """Learning-rate schedule after warm-up: constant, cosine or linear (decay to min_lr_ratio * lr)."""
+    warmup_steps: int = 0
+    """Linear warm-up from 0 over this many outer steps."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate of cosine and linear schedules, as a fraction of lr."""
+
+    def __post_init__(self):
+        if self.name not in OUTER_OPTIMIZERS:
+            raise ValueError(f"optim.name must be one of {OUTER_OPTIMIZERS}, got {self.name!r}")
+        if self.lr <= 0:
+            raise ValueError(f"optim.lr must be > 0, got {self.lr}")
+        if self.weight_decay < 0:
+            raise ValueError(f"optim.weight_decay must be >= 0, got {self.weight_decay}")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ValueError(f"optim.beta1 and optim.beta2 must be in [0, 1), got {self.beta1}, {self.beta2}")
+        if self.grad_clip is not None and self.grad_clip <= 0:
+            raise ValueError(f"optim.grad_clip must be > 0 or null, got {self.grad_clip}")
+        if self.scheduler not in SCHEDULERS:
+            raise ValueError(f"optim.scheduler must be one of {SCHEDULERS}, got {self.scheduler!r}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+
+
+@dataclass
+class TrainerConfig:
+    """Outer loop length, task batches, evaluation and the Lightning Trainer options."""
+
+    max_steps: int = 300
+    """Outer (meta) optimizer steps."""
+    steps_per_epoch: int = 100
+    """Outer steps between validations and checkpoints (one epoch); capped at max_steps."""
+    meta_batch_size: int = 8
+    """Tasks per outer step."""
+    val_tasks: int = 32
+    """Held-out tasks evaluated at the end of each epoch."""
+    test_tasks: int = 64
+    """Held-out tasks evaluated after training (the summary's figures)."""
+    eval_batch_size: int = 8
+    """Tasks per validation / test batch."""
+    precision: str = "32-true"
+    """Lightning precision: 32-true, bf16-mixed, 16-mixed, bf16-true, 64-true."""
+    accelerator: str = "auto"
+    """Lightning accelerator: auto, cpu, gpu / cuda."""
+    devices: int = 1
+    """Number of devices."""
+    log_every_n_steps: int = 10
+    """Write training metrics every this many outer steps."""
+    progress_bar: bool = True
+    """Show Lightning's progress bar."""
+    num_workers: int = 0
+    """Data loader worker processes (synthetic tasks are cheap: 0 is usually best)."""
+
+    def __post_init__(self):
+        for name in ("max_steps", "steps_per_epoch", "meta_batch_size", "eval_batch_size", "devices"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"trainer.{name} must be a positive int, got {getattr(self, name)}")
+        for name in ("val_tasks", "test_tasks", "num_workers"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"trainer.{name} must be >= 0, got {getattr(self, name)}")
+        self.steps_per_epoch = min(self.steps_per_epoch, self.max_steps)
+        if self.max_steps % self.steps_per_epoch != 0:
+            raise ValueError(
+                f"trainer.max_steps ({self.max_steps}) must be a multiple of trainer.steps_per_epoch "
+                f"({self.steps_per_epoch}): validation and resumable checkpoints happen at epoch ends"
+            )
+        if self.log_every_n_steps < 1:
+            raise ValueError(f"trainer.log_every_n_steps must be >= 1, got {self.log_every_n_steps}")
+        precisions = ("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true", "64")
+        if self.precision not in precisions:
+            raise ValueError(f"trainer.precision must be one of {precisions}, got {self.precision!r}")
+
+
+@dataclass
+class RunConfig:
+    """Where a run writes its config, logs, checkpoints and summary."""
+
+    root: str = "runs"
+    """Parent of run directories, relative to the current directory unless absolute."""
+    name: str | None = None
+    """Run directory name under root; null: <recipe>-<UTC timestamp>."""
+    tensorboard: bool = True
+    """Also log to TensorBoard when the tensorboard package is installed (CSV logs are always written)."""
+
+
+@dataclass
+class RecipeConfig:
+    """Fields every recipe config has; a recipe subclasses this and adds its own sections."""
+
+    recipe: str = ""
+    """Name of the recipe (the YAML file under configs/ without .yaml)."""
+    builder: str = ""
+    """Name of the module under recipes/ that builds the model and data for this config."""
+    seed: int = 0
+    """Seed of model initialisation and of the task streams (train, val and test streams differ)."""
+    resume: str | None = None
+    """Continue a run: its run directory or a checkpoint file."""
+    print_config: bool = False
+    """Print the resolved config and exit."""
+    optim: OuterOptimConfig = field(default_factory=OuterOptimConfig)
+    """Outer optimizer."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Outer loop and Lightning Trainer options."""
+    run: RunConfig = field(default_factory=RunConfig)
+    """Run directory and logging."""

@@ -1,0 +1,87 @@
+"""`ContextLearner`: test-time training on a long context, meta-learned end to end.
+
+A task is a token sequence `tokens` (N,) whose first `context_len` tokens are the context and whose
+`query_mask` (N,) marks the positions whose next token is an answer. The inner loop reads the
+context chunk by chunk: inner step i takes the next-token loss on chunk i mod n_chunks (with
+`left_context` earlier tokens fed for attention, not scored) and updates the adapted weights. The
+outer loss is the next-token loss on the answers, reading the whole sequence with the adapted weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ttt.config.schema import OuterOptimConfig
+from ttt.inner import InnerLoopConfig
+from ttt.meta import MetaLearner
+from ttt.models import Transformer
+
+
+@dataclass
+class ContextChunksConfig:
+    """How the inner loop reads the context."""
+
+    chunk_len: int = 64
+    """Scored tokens per inner step; inner step i trains on chunk i mod (number of chunks)."""
+    left_context: int | None = None
+    """Earlier tokens fed before each chunk as attention context (not scored); null: the model's window."""
+
+    def __post_init__(self):
+        if self.chunk_len < 1:
+            raise ValueError(f"context.chunk_len must be a positive int, got {self.chunk_len}")
+        if self.left_context is not None and self.left_context < 0:
+            raise ValueError(f"context.left_context must be >= 0 or null, got {self.left_context}")
+
+
+class ContextLearner(MetaLearner):
+    """Meta-learns a `Transformer` whose adapted weights are trained on the context at test time."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        inner: InnerLoopConfig,
+        optim: OuterOptimConfig,
+        total_steps: int,
+        *,
+        context_len: int,
+        chunks: ContextChunksConfig,
+    ):
+        super().__init__(model, inner, optim, total_steps)
+        if context_len < 2:
+            raise ValueError(f"context_len must be >= 2 (a token and its successor), got {context_len}")
+        self.context_len = context_len
+        self.chunk_len = chunks.chunk_len
+        self.left_context = (model.cfg.window or 0) if chunks.left_context is None else chunks.left_context
+
+    @property
+    def n_chunks(self) -> int:
+        """Chunks of the context's context_len - 1 scored positions (the last token has no successor)."""
+        return -(-(self.context_len - 1) // self.chunk_len)
+
+    def chunk_span(self, chunk: int) -> tuple[int, int, int]:
+        """(first fed position, first scored position, end) of `chunk`: tokens[first_fed:end] are fed,
+        positions [first_scored, end) predict tokens first_scored + 1 .. end."""
+        start = chunk * self.chunk_len
+        end = min(start + self.chunk_len, self.context_len - 1)
+        return max(0, start - self.left_context), start, end
+
+    def inner_loss(
+        self, params: dict[str, torch.Tensor], task: dict[str, torch.Tensor], step: int
+    ) -> torch.Tensor:
+        tokens = task["tokens"]
+        fed, start, end = self.chunk_span(step % self.n_chunks)
+        logits = self.forward_with(params, tokens[None, fed:end])[0, start - fed :]
+        return F.cross_entropy(logits.float(), tokens[start + 1 : end + 1])
+
+    def outer_loss(
+        self, params: dict[str, torch.Tensor], task: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        tokens, query_mask = task["tokens"], task["query_mask"]
+        positions = query_mask[:-1].nonzero()[:, 0]
+        logits = self.forward_with(params, tokens[None, :-1])[0, positions].float()
+        targets = tokens[positions + 1]
+        loss = F.cross_entropy(logits, targets)
+        return loss, {"acc": (logits.argmax(-1) == targets).float().mean().detach()}

@@ -1,0 +1,109 @@
+"""Task streams for meta-learning: an endless seeded training stream and fixed held-out sets.
+
+A task sampler is any function `sample(rng: numpy.random.Generator) -> dict[str, np.ndarray]` whose
+arrays have the same shapes for every task (so that tasks stack into a meta-batch). Task i of
+stream s under seed k is `sample(default_rng([k, s, i]))`: the same on every machine and run, and
+the training, validation and test streams never share a task.
+
+Outer step s reads training tasks [s * meta_batch_size, (s + 1) * meta_batch_size), so a run resumed
+from a checkpoint reads exactly the tasks the uninterrupted run would have read. The held-out sets
+are Hugging Face `datasets.Dataset`s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import datasets
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+TaskSampler = Callable[[np.random.Generator], dict[str, np.ndarray]]
+TRAIN_STREAM, VAL_STREAM, TEST_STREAM = 0, 1, 2
+
+
+def task_rng(seed: int, stream: int, index: int) -> np.random.Generator:
+    """The generator of task `index` of `stream` under `seed`."""
+    return np.random.default_rng([seed, stream, index])
+
+
+class SyntheticTasks(Dataset):
+    """Map-style view of an endless task stream: item i is task i (as torch tensors)."""
+
+    def __init__(self, sample: TaskSampler, *, seed: int, stream: int = TRAIN_STREAM):
+        self.sample, self.seed, self.stream = sample, seed, stream
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        task = self.sample(task_rng(self.seed, self.stream, index))
+        return {name: torch.from_numpy(np.asarray(value)) for name, value in task.items()}
+
+
+class StepAlignedSampler(Sampler[int]):
+    """Task indices of consecutive outer steps: an epoch that starts after `done_steps()` outer steps
+    yields [done * batch_size, (done + steps_per_epoch) * batch_size). Tying the stream to the outer
+    step (not to Lightning's epoch counter) keeps it identical when a run is resumed."""
+
+    def __init__(self, steps_per_epoch: int, batch_size: int, done_steps: Callable[[], int]):
+        self.steps_per_epoch, self.batch_size, self.done_steps = steps_per_epoch, batch_size, done_steps
+
+    def __iter__(self) -> Iterator[int]:
+        start = self.done_steps() * self.batch_size
+        return iter(range(start, start + len(self)))
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch * self.batch_size
+
+
+def held_out_tasks(sample: TaskSampler, *, seed: int, stream: int, count: int) -> datasets.Dataset:
+    """`count` tasks of a held-out stream as an in-memory Hugging Face Dataset in torch format."""
+    rows = [sample(task_rng(seed, stream, i)) for i in range(count)]
+    return datasets.Dataset.from_list(rows).with_format("torch")
+
+
+class TaskDataModule(pl.LightningDataModule):
+    """Meta-batches of tasks: training from the endless stream, validation and test from held-out sets.
+
+    Every batch is a dict of tensors with a leading task dimension (meta_batch_size or eval_batch_size).
+    """
+
+    def __init__(
+        self,
+        sample: TaskSampler,
+        *,
+        seed: int,
+        meta_batch_size: int,
+        steps_per_epoch: int,
+        val_tasks: int,
+        test_tasks: int,
+        eval_batch_size: int,
+        num_workers: int = 0,
+    ):
+        super().__init__()
+        self.sample, self.seed = sample, seed
+        self.meta_batch_size, self.steps_per_epoch = meta_batch_size, steps_per_epoch
+        self.val_tasks, self.test_tasks, self.eval_batch_size = val_tasks, test_tasks, eval_batch_size
+        self.num_workers = num_workers
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(
+            SyntheticTasks(self.sample, seed=self.seed, stream=TRAIN_STREAM),
+            batch_size=self.meta_batch_size,
+            sampler=StepAlignedSampler(self.steps_per_epoch, self.meta_batch_size, self._done_steps),
+            num_workers=self.num_workers,
+            drop_last=True,
+        )
+
+    def _done_steps(self) -> int:
+        return 0 if self.trainer is None else self.trainer.global_step
+
+    def _held_out_loader(self, stream: int, count: int) -> DataLoader:
+        tasks = held_out_tasks(self.sample, seed=self.seed, stream=stream, count=count)
+        return DataLoader(tasks, batch_size=self.eval_batch_size, num_workers=self.num_workers)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._held_out_loader(VAL_STREAM, self.val_tasks)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._held_out_loader(TEST_STREAM, self.test_tasks)

@@ -1,0 +1,39 @@
+"""Files that are either completely written or not there: write a temporary file, then os.replace."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+
+def _atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write `text` (UTF-8) to `path` atomically."""
+    _atomic_write(Path(path), lambda handle: handle.write(text.encode()))
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning checkpoint IO whose saves are atomic: a crash mid-save leaves the old checkpoint intact."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any = None) -> None:
+        _atomic_write(Path(path), lambda handle: torch.save(checkpoint, handle))

@@ -1,0 +1,38 @@
+"""The end-of-run summary: `summary.json` in the run directory and a table on stdout."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from .atomic import atomic_write_text
+
+
+def write_summary(path: Path, summary: dict[str, Any]) -> None:
+    """Write the summary dict as indented JSON, atomically."""
+    atomic_write_text(path, json.dumps(summary, indent=2, sort_keys=True) + "\n")
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4f}"
+    return "-" if value is None else str(value)
+
+
+def format_summary_table(summary: dict[str, Any]) -> str:
+    """The query figures as an unadapted-vs-adapted table, then the other scalar entries."""
+    metrics = sorted(
+        {key[: -len("_unadapted")] for key in summary if key.endswith("_unadapted")}
+        & {key[: -len("_adapted")] for key in summary if key.endswith("_adapted")}
+    )
+    rows = [("metric", "unadapted", "adapted")]
+    rows += [(m, _cell(summary[f"{m}_unadapted"]), _cell(summary[f"{m}_adapted"])) for m in metrics]
+    paired = {f"{m}_{tag}" for m in metrics for tag in ("unadapted", "adapted")}
+    extra = [(key, _cell(value)) for key, value in sorted(summary.items()) if key not in paired]
+    width = [max(len(row[i]) for row in rows) for i in range(3)]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, width)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in width))
+    key_width = max((len(key) for key, _ in extra), default=0)
+    lines += [""] + [f"{key.ljust(key_width)}  {value}" for key, value in extra]
+    return "\n".join(lines)

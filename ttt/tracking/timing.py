@@ -1,0 +1,45 @@
+"""`OuterStepTimer`: wall time per outer step and peak accelerator memory, for the run summary."""
+
+from __future__ import annotations
+
+import time
+
+import lightning.pytorch as pl
+import torch
+
+
+class OuterStepTimer(pl.Callback):
+    """Times every training batch (synchronising CUDA); the first `warmup` steps are not averaged."""
+
+    def __init__(self, warmup: int = 1):
+        self.warmup = warmup
+        self.durations: list[float] = []
+        self._start = 0.0
+
+    def _sync(self, pl_module: pl.LightningModule) -> None:
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if pl_module.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(pl_module.device)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._sync(pl_module)
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._sync(pl_module)
+        self.durations.append(time.perf_counter() - self._start)
+
+    def time_per_outer_step(self) -> float | None:
+        """Mean seconds per outer step after the warm-up steps (all steps if there are no others)."""
+        timed = self.durations[self.warmup :] or self.durations
+        return sum(timed) / len(timed) if timed else None
+
+    @staticmethod
+    def peak_memory_gib(device: torch.device) -> float | None:
+        """Peak allocated CUDA memory since fit start in GiB; None off CUDA."""
+        if device.type != "cuda":
+            return None
+        return torch.cuda.max_memory_allocated(device) / 2**30

@@ -1,0 +1,180 @@
+"""Command line: meta-train a recipe, evaluate it on held-out tasks, write the run directory.
+
+    python -m ttt.train recipe=NAME [key=value ...]
+    python -m ttt.train --help
+
+See `usage()` for the full text (it lists the recipes found under configs/).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from omegaconf import OmegaConf
+
+from ttt.config import ConfigError, RecipeConfig, available_recipes, load_config, to_yaml
+from ttt.config.loading import recipe_header
+from ttt.tracking import (
+    AtomicCheckpointIO,
+    EpochEndCheckpoint,
+    OuterStepTimer,
+    RunPaths,
+    atomic_write_text,
+    format_summary_table,
+    new_run_dir,
+    resolve_resume,
+    write_summary,
+)
+
+USAGE = """\
+usage: python -m ttt.train recipe=NAME [key=value ...]
+
+Meta-trains recipe NAME (configs/NAME.yaml), evaluates it on held-out tasks, prints a summary
+table and writes the run directory <run.root>/<run.name>/ (config.yaml, logs/, checkpoints/,
+summary.json).
+
+Overrides are OmegaConf dotlist items, applied on top of the recipe's YAML, e.g.
+    trainer.max_steps=50  model.attention=eager  inner.params=[layers.1.mlp.*]  run.name=try1
+Unknown keys and invalid values are errors that say what is valid.
+
+Special keys
+    print_config=true      print the resolved config and exit
+    resume=PATH            continue a run (its directory or a checkpoint file); its saved config
+                           is used, with any other overrides applied (e.g. a larger max_steps)
+    seed=N                 seed of model init and task streams
+
+Recipes
+{recipes}
+"""
+
+
+def usage() -> str:
+    """The --help text, listing each recipe with the first line of its YAML header."""
+    lines = []
+    for name, path in sorted(available_recipes().items()):
+        header = recipe_header(path).splitlines()
+        lines.append(f"    {name:<20} {header[0] if header else ''}")
+    return USAGE.format(recipes="\n".join(lines))
+
+
+def _split_resume(argv: list[str]) -> tuple[str | None, list[str]]:
+    resume = [item.split("=", 1)[1] for item in argv if item.startswith("resume=")]
+    rest = [item for item in argv if not item.startswith("resume=")]
+    if len(resume) > 1:
+        raise ConfigError("resume= given more than once")
+    return (resume[0] if resume and resume[0] not in ("", "null") else None), rest
+
+
+def prepare(argv: list[str]) -> tuple[RecipeConfig, RunPaths | None, Path | None]:
+    """Config from the command line; for resume=..., also the run's paths and the checkpoint."""
+    resume, overrides = _split_resume(argv)
+    if resume is None:
+        return load_config(overrides), None, None
+    paths, checkpoint = resolve_resume(resume)
+    cfg = load_config(overrides, base=OmegaConf.load(paths.config))
+    cfg.resume = resume
+    return cfg, paths, checkpoint
+
+
+def make_trainer(cfg: RecipeConfig, paths: RunPaths, timer: OuterStepTimer) -> pl.Trainer:
+    """The Lightning Trainer of a run: epochs of trainer.steps_per_epoch outer steps, validation and
+    an atomic last.ckpt after each epoch, CSV (and TensorBoard) logs in the run directory."""
+    tc = cfg.trainer
+    # One log version per session (logs/version_0, version_1 after a resume, ...): a logger reusing a
+    # directory would delete the earlier metrics.
+    loggers = [CSVLogger(save_dir=paths.root, name="logs")]
+    if cfg.run.tensorboard and importlib.util.find_spec("tensorboard") is not None:
+        loggers.append(TensorBoardLogger(save_dir=paths.root, name="tensorboard"))
+    return pl.Trainer(
+        max_steps=tc.max_steps,
+        max_epochs=-1,
+        accelerator=tc.accelerator,
+        devices=tc.devices,
+        precision=tc.precision,
+        inference_mode=False,
+        logger=loggers,
+        callbacks=[EpochEndCheckpoint(paths.last_checkpoint), timer],
+        enable_checkpointing=False,
+        plugins=[AtomicCheckpointIO()],
+        log_every_n_steps=tc.log_every_n_steps,
+        enable_progress_bar=tc.progress_bar,
+        num_sanity_val_steps=0,
+        limit_val_batches=1.0 if tc.val_tasks else 0,
+        default_root_dir=paths.root,
+    )
+
+
+def run(
+    cfg: RecipeConfig, *, paths: RunPaths | None = None, checkpoint: Path | None = None
+) -> dict[str, Any]:
+    """Build the recipe, fit (or continue from `checkpoint`), test, and write summary.json.
+
+    Returns the summary: test figures without their "test/" prefix (query_loss_unadapted,
+    query_loss_adapted, query_acc_* where the task has an accuracy, ...), time_per_outer_step_s,
+    peak_memory_gib (CUDA only, else None), outer_steps, wall_time_s, run_dir.
+    """
+    from recipes import load_builder
+
+    start = time.perf_counter()
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    module, data = load_builder(cfg.builder).build(cfg)
+    if paths is None:
+        paths = new_run_dir(cfg.run.root, cfg.run.name, cfg.recipe)
+    atomic_write_text(paths.config, to_yaml(cfg))
+    timer = OuterStepTimer()
+    trainer = make_trainer(cfg, paths, timer)
+    trainer.fit(module, datamodule=data, ckpt_path=checkpoint)
+    if cfg.trainer.test_tasks:
+        trainer.test(module, datamodule=data, verbose=False)
+    summary: dict[str, Any] = {
+        key.removeprefix("test/"): float(value)
+        for key, value in trainer.callback_metrics.items()
+        if key.startswith("test/")
+    }
+    summary.update(
+        recipe=cfg.recipe,
+        outer_steps=trainer.global_step,
+        time_per_outer_step_s=timer.time_per_outer_step(),
+        peak_memory_gib=timer.peak_memory_gib(module.device),
+        wall_time_s=time.perf_counter() - start,
+        run_dir=str(paths.root),
+    )
+    write_summary(paths.summary, summary)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `python -m ttt.train` and `ttt-train`; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or any(item in ("-h", "--help", "help") for item in argv):
+        print(usage())
+        return 0 if argv else 2
+    try:
+        cfg, paths, checkpoint = prepare(argv)
+    except (ConfigError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if cfg.print_config:
+        print(to_yaml(cfg), end="")
+        return 0
+    # Synthetic tasks are generated in microseconds: extra loader workers would not help.
+    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    try:
+        summary = run(cfg, paths=paths, checkpoint=checkpoint)
+    except FileExistsError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(format_summary_table(summary))
+    print(f"\nsummary written to {Path(summary['run_dir']) / 'summary.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
