@@ -3,7 +3,7 @@ gradients equal to float64 autograd through plain attention, and a clear error o
 
 import pytest
 import torch
-from kernel_cases import CASES, autograd_reference, make_inputs, rel_err
+from kernel_cases import CASES, DEVICE, autograd_reference, make_inputs, rel_err
 
 import kernels
 from kernels import triton_ops
@@ -74,7 +74,7 @@ def test_functional_call_second_order():
             return kernels.flash_attention(q, kv, kv, causal=True, window=case.window, backend=backend)
 
     torch.manual_seed(0)
-    model = Attn()
+    model = Attn().to(DEVICE)
     x, kv = make_inputs(case, seed=6)[:2]
     kv = kv.repeat_interleave(case.heads_q // case.heads_kv, dim=1)[:, :1]
 

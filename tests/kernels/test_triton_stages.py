@@ -4,6 +4,7 @@ On the CPU they run in Triton's interpreter in float32; on CUDA also in bfloat16
 where the error must stay within 2x the error of plain PyTorch run in the same dtype.
 """
 
+import contextlib
 import itertools
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 from kernel_cases import CASES, DEVICE, Case, autograd_reference, make_inputs, rel_err
 
 import kernels
-from kernels import triton_ops
+from kernels import tiling, triton_ops
 from kernels.reference import attention_naive
 
 DTYPES = [torch.float32] + ([torch.bfloat16, torch.float16] if DEVICE == "cuda" else [])
@@ -120,3 +121,16 @@ LONG_CASES = [
 @pytest.mark.parametrize("case", LONG_CASES, ids=lambda c: c.id)
 def test_long_sequences_on_gpu(case, dtype):
     test_stages_match_float64(case, dtype)
+
+
+@pytest.mark.parametrize("block_m, block_n", [(64, 32), (32, 64)])
+@pytest.mark.parametrize(
+    "case", [Case(1, 2, 1, 150, 150, 64, causal=True, window=40), Case(1, 2, 2, 97, 130, 80, causal=True)],
+    ids=lambda c: c.id,
+)
+def test_gpu_tile_shapes(case, block_m, block_n):
+    """The tile shapes CUDA launches use, here on any device: the mask-skipping logic depends on them."""
+    with contextlib.ExitStack() as stack:
+        for kernel in tiling.KERNELS:
+            stack.enter_context(tiling.override(kernel, BLOCK_M=block_m, BLOCK_N=block_n))
+        test_stages_match_float64(case, torch.float32)
