@@ -1,0 +1,67 @@
+"""ttt_e2e: meta-train a small TTT-E2E transformer on real text (by default the Python standard
+library's source, read as bytes), then measure loss by position and passkey retrieval with and
+without test-time training."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ttt.config import RecipeConfig
+from ttt.inner import InnerLoopConfig
+from ttt.learners.ttt_language_model import TTTLanguageLearner
+from ttt.models import Transformer, TransformerConfig
+from ttt.text.corpus import TextDataConfig, split_windows
+from ttt.text.data import TextDataModule
+from ttt.text.long_context import LongContextEvalConfig
+from ttt.text.tokenizer import load_tokenizer
+from ttt.ttt_layers import TTTConfig, TTTTransformer
+
+
+@dataclass
+class Config(RecipeConfig):
+    """ttt_e2e: model, test-time training, inner loop, text and evaluation, plus the common sections."""
+
+    model: TransformerConfig = field(default_factory=lambda: TransformerConfig(window=64))
+    """The transformer (TTT-E2E uses sliding-window attention; null window: full attention)."""
+    ttt: TTTConfig = field(default_factory=TTTConfig)
+    """Where the fast weights sit and how the context is chunked."""
+    inner: InnerLoopConfig = field(
+        default_factory=lambda: InnerLoopConfig(params=["layers.*.ttt_mlp.*"], lr=1.0, grad_clip=1.0)
+    )
+    """The inner optimizer; inner.params (globs) pick the fast weights among the suffix blocks' parameters."""
+    data: TextDataConfig = field(default_factory=TextDataConfig)
+    """The text corpus and its tokenizer."""
+    eval: LongContextEvalConfig = field(default_factory=LongContextEvalConfig)
+    """Loss by position and passkey retrieval after training."""
+
+
+def build_data(cfg: Config, tokenizer) -> TextDataModule:
+    """Token windows of the corpus's train / val / test documents, batched as the trainer section says."""
+    return TextDataModule(
+        split_windows(cfg.data, tokenizer),
+        seed=cfg.seed,
+        batch_size=cfg.trainer.meta_batch_size,
+        steps_per_epoch=cfg.trainer.steps_per_epoch,
+        val_sequences=cfg.trainer.val_tasks,
+        test_sequences=cfg.trainer.test_tasks,
+        eval_batch_size=cfg.trainer.eval_batch_size,
+    )
+
+
+def build_learner(cfg: Config, model: TTTTransformer, tokenizer) -> TTTLanguageLearner:
+    """The Lightning module that meta-trains `model` with cfg's outer optimizer and evaluation."""
+    return TTTLanguageLearner(
+        model, cfg.optim, cfg.trainer.max_steps, evaluation=cfg.eval, tokenizer=tokenizer, seed=cfg.seed
+    )
+
+
+def build(cfg: Config) -> tuple[TTTLanguageLearner, TextDataModule]:
+    """A fresh TTT transformer and the text stream of `cfg`."""
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    if cfg.model.vocab_size < tokenizer.vocab_size:
+        raise ValueError(
+            f"model.vocab_size ({cfg.model.vocab_size}) must be >= the tokenizer's vocabulary "
+            f"({tokenizer.vocab_size})"
+        )
+    model = TTTTransformer(Transformer(cfg.model), cfg.ttt, cfg.inner)
+    return build_learner(cfg, model, tokenizer), build_data(cfg, tokenizer)

@@ -1,0 +1,113 @@
+"""Text pieces of the long-context recipes: tokenizers, local corpora through `datasets`, token windows,
+passkey sequences and the loss-by-position binning."""
+
+import importlib.util
+import json
+
+import numpy as np
+import pytest
+
+from ttt.text.corpus import TextDataConfig, TokenWindows, corpus_files, load_documents, split_windows
+from ttt.text.long_context import LongContextEvalConfig, bin_positions
+from ttt.text.passkey import sample_passkey
+from ttt.text.tokenizer import ByteTokenizer, load_tokenizer
+
+
+def test_byte_tokenizer_is_utf8():
+    ids = ByteTokenizer().encode("hé!")
+    assert ids.tolist() == [104, 195, 169, 33] and ids.dtype == np.int32
+    assert isinstance(load_tokenizer("bytes"), ByteTokenizer)
+
+
+def test_tokenizer_errors_name_the_key(tmp_path):
+    with pytest.raises(FileNotFoundError, match="data.tokenizer"):
+        load_tokenizer(str(tmp_path / "missing.json"))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tokenizers") is None, reason="tokenizers is not installed")
+def test_local_tokenizer_json_loads(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"hello": 0, "world": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    loaded = load_tokenizer(str(tmp_path))
+    assert loaded.vocab_size == 3 and loaded.encode("hello world zzz").tolist() == [0, 1, 2]
+
+
+def test_stdlib_corpus_is_the_standard_library_source():
+    files = corpus_files("stdlib")
+    assert len(files) > 100
+    assert any(f.endswith("/os.py") for f in files) and not any("site-packages" in f for f in files)
+
+
+@pytest.fixture
+def text_dir(tmp_path):
+    root = tmp_path / "texts"
+    root.mkdir()
+    for i in range(6):
+        (root / f"doc{i}.txt").write_text(f"document {i} " + "abcdefghij" * (3 + i))
+    return root
+
+
+def test_local_text_json_and_parquet_corpora_load(text_dir, tmp_path):
+    texts = load_documents(TextDataConfig(corpus=str(text_dir)))
+    assert len(texts) == 6 and texts[0].startswith("document 0 ")
+    records = [{"body": t} for t in texts]
+    (tmp_path / "c.jsonl").write_text("\n".join(json.dumps(r) for r in records))
+    assert load_documents(TextDataConfig(corpus=str(tmp_path / "c.jsonl"), text_field="body")) == texts
+    import datasets
+
+    datasets.Dataset.from_list(records).to_parquet(str(tmp_path / "c.parquet"))
+    assert load_documents(TextDataConfig(corpus=str(tmp_path / "c.parquet"), text_field="body")) == texts
+    assert len(load_documents(TextDataConfig(corpus=str(text_dir), max_documents=3))) == 3
+    with pytest.raises(ValueError, match="data.text_field='text'.*body"):
+        load_documents(TextDataConfig(corpus=str(tmp_path / "c.jsonl")))
+
+
+def test_bad_corpora_fail_clearly(text_dir, tmp_path):
+    with pytest.raises(FileNotFoundError, match="data.corpus=.*no files found"):
+        load_documents(TextDataConfig(corpus=str(tmp_path / "nothing*.txt")))
+    (text_dir / "extra.parquet").write_text("x")
+    with pytest.raises(ValueError, match="must all be text"):
+        load_documents(TextDataConfig(corpus=str(text_dir)))
+    with pytest.raises(ValueError, match="data.seq_len"):
+        TextDataConfig(seq_len=1)
+
+
+def test_windows_lie_inside_one_document_and_splits_are_disjoint(text_dir):
+    cfg = TextDataConfig(corpus=str(text_dir), seq_len=30, held_out_every=3)
+    windows = split_windows(cfg, ByteTokenizer())
+    assert [len(windows[s].documents) for s in ("train", "val", "test")] == [2, 2, 2]
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        tokens = windows["val"].sample(rng)["tokens"]
+        text = bytes(tokens.astype(np.uint8)).decode()
+        assert tokens.shape == (30,) and tokens.dtype == np.int64
+        assert any(text in bytes(d.astype(np.uint8)).decode() for d in windows["val"].documents)
+    first = windows["train"].sample(np.random.default_rng(7))["tokens"]
+    np.testing.assert_array_equal(first, windows["train"].sample(np.random.default_rng(7))["tokens"])
+    with pytest.raises(ValueError, match="no train document has data.seq_len=500"):
+        TokenWindows([np.zeros(10, np.int32)], 500, "train")
+
+
+def test_passkey_sequence_hides_the_key_and_marks_the_answer():
+    tokenizer = ByteTokenizer()
+    sample = sample_passkey(tokenizer, 300, 5, np.random.default_rng(3))
+    tokens, mask = sample["tokens"], sample["answer_mask"]
+    assert tokens.shape == mask.shape == (300,) and mask.sum() == 5
+    text = bytes(tokens.astype(np.uint8)).decode()
+    key = text[-5:]
+    assert key.isdigit() and f"The pass key is {key}. Remember it." in text[:-5]
+    answer_positions = np.flatnonzero(mask)
+    assert bytes(tokens[answer_positions + 1].astype(np.uint8)).decode() == key
+    with pytest.raises(ValueError, match="too short"):
+        sample_passkey(tokenizer, 40, 5, np.random.default_rng(0))
+
+
+def test_loss_by_position_bins():
+    rows = bin_positions(np.arange(10, dtype=float), 4)
+    assert [(r["start"], r["end"]) for r in rows] == [(0, 2), (2, 5), (5, 7), (7, 10)]
+    assert rows[0]["loss"] == 0.5 and rows[-1]["loss"] == 8.0
+    with pytest.raises(ValueError, match="eval.late_fraction"):
+        LongContextEvalConfig(late_fraction=0)

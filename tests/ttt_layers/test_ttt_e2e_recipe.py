@@ -1,0 +1,78 @@
+"""The ttt_e2e recipe end to end at toy size through the command line: the run directory gets the
+summary, loss by position and passkey files, with and without test-time training."""
+
+import csv
+import json
+
+import pytest
+
+from ttt.config import load_config
+from ttt.train import main
+
+
+@pytest.fixture
+def tiny_ttt_e2e(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(9):
+        (corpus / f"doc{i}.txt").write_text(f"def f{i}(x):\n    return x * {i}\n" * (3 + i))
+    return [
+        "recipe=ttt_e2e",
+        f"data.corpus={corpus}",
+        "data.seq_len=48",
+        "data.held_out_every=3",
+        "model.d_model=32",
+        "model.n_layers=2",
+        "model.n_heads=2",
+        "model.window=8",
+        "ttt.suffix_len=1",
+        "ttt.chunk_len=16",
+        "eval.passkey_lengths=[120]",
+        "eval.passkey_trials=2",
+        "eval.position_bins=4",
+        "trainer.max_steps=2",
+        "trainer.steps_per_epoch=2",
+        "trainer.meta_batch_size=2",
+        "trainer.val_tasks=2",
+        "trainer.test_tasks=2",
+        "trainer.eval_batch_size=2",
+        "trainer.progress_bar=false",
+        "trainer.accelerator=cpu",
+        "run.tensorboard=false",
+        f"run.root={tmp_path / 'runs'}",
+    ]
+
+
+def test_tiny_ttt_e2e_run_writes_long_context_figures(tiny_ttt_e2e, tmp_path):
+    assert main([*tiny_ttt_e2e, "run.name=ttt"]) == 0
+    run = tmp_path / "runs" / "ttt"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["outer_steps"] == 2
+    for key in ("query_loss", "late_loss", "passkey_exact_120"):
+        assert {f"{key}_adapted", f"{key}_unadapted"} <= set(summary)
+    assert summary["query_loss_adapted"] != summary["query_loss_unadapted"]
+    rows = list(csv.DictReader((run / "loss_by_position.csv").open()))
+    assert len(rows) == 4 and set(rows[0]) == {"start", "end", "loss_adapted", "loss_unadapted"}
+    assert rows[-1]["end"] == "47"
+    assert (run / "loss_by_position.png").stat().st_size > 0 and (run / "passkey.png").stat().st_size > 0
+
+
+def test_full_attention_baseline_without_ttt_runs(tiny_ttt_e2e, tmp_path):
+    overrides = [
+        *tiny_ttt_e2e,
+        "run.name=base",
+        "ttt.enabled=false",
+        "model.window=null",
+        "eval.passkey_lengths=[]",
+    ]
+    assert main(overrides) == 0
+    summary = json.loads((tmp_path / "runs" / "base" / "summary.json").read_text())
+    assert summary["query_loss_adapted"] == summary["query_loss_unadapted"]
+    assert not (tmp_path / "runs" / "base" / "passkey.csv").exists()
+
+
+def test_ttt_e2e_config_errors_name_the_key(tiny_ttt_e2e):
+    with pytest.raises(ValueError, match="ttt.chunk_len"):
+        load_config([*tiny_ttt_e2e, "ttt.chunk_len=0"])
+    with pytest.raises(ValueError, match="did you mean 'suffix_len'"):
+        load_config([*tiny_ttt_e2e, "ttt.sufix_len=2"])

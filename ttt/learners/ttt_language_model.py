@@ -1,0 +1,149 @@
+"""`TTTLanguageLearner`: meta-trains a `TTTTransformer` on text, end to end.
+
+The outer loss is the mean next-token loss over every position of a sequence, each chunk scored
+before the fast weights train on it; its gradient goes through all inner updates. Validation and
+test read with and without test-time training ("_adapted" / "_unadapted"); after the test, loss by
+token position and passkey accuracy by context length are written to the run directory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+
+from ttt.config.schema import OuterOptimConfig
+from ttt.meta.module import lr_multiplier
+from ttt.text.long_context import (
+    MODES,
+    LongContextEvalConfig,
+    bin_positions,
+    passkey_accuracy,
+    write_long_context_report,
+)
+from ttt.text.tokenizer import Tokenizer
+from ttt.ttt_layers import TTTTransformer
+
+
+def make_outer_optimizer(params: list[torch.nn.Parameter], cfg: OuterOptimConfig) -> torch.optim.Optimizer:
+    """The optimizer named by optim.name over `params`."""
+    betas = (cfg.beta1, cfg.beta2)
+    if cfg.name == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.lr, betas=betas, weight_decay=cfg.weight_decay)
+    if cfg.name == "adam":
+        return torch.optim.Adam(params, lr=cfg.lr, betas=betas, weight_decay=cfg.weight_decay)
+    return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.beta1, weight_decay=cfg.weight_decay)
+
+
+class TTTLanguageLearner(pl.LightningModule):
+    """Batches are {"tokens": (B, N) int64}; each sequence is read (and adapted to) on its own."""
+
+    def __init__(
+        self,
+        model: TTTTransformer,
+        optim: OuterOptimConfig,
+        total_steps: int,
+        *,
+        evaluation: LongContextEvalConfig,
+        tokenizer: Tokenizer,
+        seed: int,
+    ):
+        super().__init__()
+        self.automatic_optimization = False
+        self.model, self.optim_cfg, self.total_steps = model, optim, total_steps
+        self.eval_cfg, self.tokenizer, self.seed = evaluation, tokenizer, seed
+        self._position_sums: dict[str, torch.Tensor] = {}
+        self._position_count = 0
+
+    def inner_lr_scale(self) -> float:
+        """Inner learning-rate warm-up factor at the current outer step."""
+        return self.model.ttt_cfg.lr_scale(self.global_step)
+
+    def read(self, tokens: torch.Tensor, adapt: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Evaluation reading of one sequence (1, N): (logits (1, N, V), losses (N - 1,)), detached.
+        adapt=True adapts only when ttt.enabled."""
+        with torch.enable_grad():
+            return self.model.read(
+                tokens,
+                adapt=adapt and self.model.ttt_cfg.enabled,
+                lr_scale=self.inner_lr_scale(),
+                outer_grad=False,
+                keep_logits=True,
+            )
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        optimizer, scheduler = self.optimizers(), self.lr_schedulers()
+        tokens = batch["tokens"]
+        optimizer.zero_grad()
+        total = torch.zeros((), device=tokens.device)
+        for row in tokens:  # one sequence's graph alive at a time
+            loss = self.model.token_losses(row[None], lr_scale=self.inner_lr_scale()).mean()
+            self.manual_backward(loss / len(tokens))
+            total += loss.detach() / len(tokens)
+        if self.optim_cfg.grad_clip is not None:
+            self.clip_gradients(
+                optimizer, gradient_clip_val=self.optim_cfg.grad_clip, gradient_clip_algorithm="norm"
+            )
+        optimizer.step()
+        scheduler.step()
+        metrics = {
+            "train/loss": total,
+            "train/lr": torch.tensor(scheduler.get_last_lr()[0]),
+            "train/inner_lr_scale": torch.tensor(self.inner_lr_scale()),
+        }
+        self.log_dict(metrics, batch_size=len(tokens))
+        self.log("loss", total, prog_bar=True, logger=False, batch_size=len(tokens))
+        return total
+
+    def position_losses(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Per-position losses (B, N - 1) of a held-out batch, with ("adapted") and without TTT."""
+        tokens = batch["tokens"]
+        return {
+            mode: torch.stack([self.read(row[None], adapt)[1] for row in tokens])
+            for mode, adapt in MODES.items()
+        }
+
+    def evaluate(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Mean loss of a held-out batch: query_loss_adapted / _unadapted (every position is a query)."""
+        return {f"query_loss_{mode}": losses.mean() for mode, losses in self.position_losses(batch).items()}
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        metrics = self.evaluate(batch)
+        self.log_dict({f"val/{k}": v for k, v in metrics.items()}, batch_size=len(batch["tokens"]))
+
+    def on_test_epoch_start(self) -> None:
+        self._position_sums, self._position_count = {}, 0
+
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        losses = self.position_losses(batch)
+        for mode, value in losses.items():
+            self._position_sums[mode] = self._position_sums.get(mode, 0) + value.sum(0)
+        self._position_count += len(batch["tokens"])
+        self.log_dict(
+            {f"test/query_loss_{mode}": value.mean() for mode, value in losses.items()},
+            batch_size=len(batch["tokens"]),
+        )
+
+    def on_test_epoch_end(self) -> None:
+        cfg = self.eval_cfg
+        mean = {mode: (s / self._position_count).cpu().numpy() for mode, s in self._position_sums.items()}
+        late_from = int(len(next(iter(mean.values()))) * (1 - cfg.late_fraction))
+        for mode, losses in mean.items():
+            self.log(f"test/late_loss_{mode}", float(np.mean(losses[late_from:])))
+        position_rows = {mode: bin_positions(losses, cfg.position_bins) for mode, losses in mean.items()}
+        passkey_rows = passkey_accuracy(self.read, self.tokenizer, cfg, seed=self.seed, device=self.device)
+        for row in passkey_rows:
+            for mode in MODES:
+                self.log(f"test/passkey_exact_{row['length']}_{mode}", row[f"exact_{mode}"])
+        if self.trainer.is_global_zero:
+            write_long_context_report(Path(self.trainer.default_root_dir), position_rows, passkey_rows)
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        optimizer = make_outer_optimizer([p for p in self.parameters() if p.requires_grad], self.optim_cfg)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: lr_multiplier(step, cfg=self.optim_cfg, total_steps=self.total_steps)
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -1,0 +1,135 @@
+"""Local text corpora read through Hugging Face `datasets`, and fixed-length token windows cut from them.
+
+The default corpus, "stdlib", is the Python standard library's own source files (*.py under
+`sysconfig.get_paths()["stdlib"]`, third-party site-packages excluded): real text that every Python
+install has, so nothing is downloaded. Its content depends on the Python version of the machine.
+Other corpora: a file, a directory or a glob of .txt / .md / .py (one document per file),
+.json / .jsonl (one document per record, field data.text_field) or .parquet files.
+"""
+
+from __future__ import annotations
+
+import glob
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import datasets
+import numpy as np
+
+from .tokenizer import Tokenizer
+
+TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst")
+BUILDERS_BY_SUFFIX = {
+    **dict.fromkeys(TEXT_SUFFIXES, "text"),
+    ".json": "json",
+    ".jsonl": "json",
+    ".parquet": "parquet",
+}
+
+
+@dataclass
+class TextDataConfig:
+    """Which text, how it is tokenized and cut into training sequences."""
+
+    corpus: str = "stdlib"
+    """stdlib (the Python standard library source), or a file, directory or glob of text, JSON or Parquet."""
+    text_field: str = "text"
+    """Field holding the text in JSON and Parquet records."""
+    tokenizer: str = "bytes"
+    """bytes (UTF-8 bytes, vocab 256), or a local tokenizer.json (or its directory; needs `tokenizers`)."""
+    seq_len: int = 512
+    """Tokens per training and evaluation sequence."""
+    max_documents: int | None = None
+    """Use at most this many documents (every k-th, evenly spread); null: all."""
+    held_out_every: int = 10
+    """Documents i with i % held_out_every == 0 are validation, == 1 are test; the rest train."""
+
+    def __post_init__(self):
+        if self.seq_len < 2:
+            raise ValueError(f"data.seq_len must be >= 2, got {self.seq_len}")
+        if self.max_documents is not None and self.max_documents < 3:
+            raise ValueError(f"data.max_documents must be >= 3 or null, got {self.max_documents}")
+        if self.held_out_every < 3:
+            raise ValueError(f"data.held_out_every must be >= 3, got {self.held_out_every}")
+
+
+def corpus_files(corpus: str) -> list[str]:
+    """The sorted files of data.corpus (see the module docstring)."""
+    if corpus == "stdlib":
+        root = Path(sysconfig.get_paths()["stdlib"])
+        skip = {"site-packages", "dist-packages"}
+        return sorted(str(p) for p in root.rglob("*.py") if not skip & set(p.parts))
+    path = Path(corpus)
+    if path.is_dir():
+        files = sorted(str(p) for p in path.rglob("*") if p.suffix in BUILDERS_BY_SUFFIX)
+    else:
+        files = sorted(glob.glob(corpus, recursive=True))
+    if not files:
+        raise FileNotFoundError(
+            f"data.corpus={corpus!r}: no files found; expected 'stdlib', or a file, directory or glob of "
+            f"{', '.join(sorted(BUILDERS_BY_SUFFIX))} files"
+        )
+    return files
+
+
+def load_documents(cfg: TextDataConfig) -> list[str]:
+    """The corpus's documents as strings, in a fixed order (every k-th when data.max_documents is set)."""
+    files = corpus_files(cfg.corpus)
+    builders = {BUILDERS_BY_SUFFIX.get(Path(f).suffix) for f in files}
+    if len(builders) != 1 or None in builders:
+        raise ValueError(
+            f"data.corpus={cfg.corpus!r}: files must all be text ({', '.join(TEXT_SUFFIXES)}), all JSON "
+            f"(.json, .jsonl) or all Parquet; got suffixes {sorted({Path(f).suffix for f in files})}"
+        )
+    builder = builders.pop()
+    options = {"sample_by": "document", "encoding_errors": "replace"} if builder == "text" else {}
+    table = datasets.load_dataset(builder, data_files=files, split="train", **options)
+    field = "text" if builder == "text" else cfg.text_field
+    if field not in table.column_names:
+        raise ValueError(
+            f"data.text_field={field!r} is not a field of {cfg.corpus!r}; fields: {table.column_names}"
+        )
+    documents = [text for text in table[field] if text]
+    if cfg.max_documents is not None and len(documents) > cfg.max_documents:
+        documents = [documents[i] for i in np.linspace(0, len(documents) - 1, cfg.max_documents).astype(int)]
+    return documents
+
+
+class TokenWindows:
+    """Windows of seq_len consecutive tokens, each inside one document of a split.
+
+    sample(rng) draws a window uniformly among all windows that fit in a document (longer documents
+    give more); documents shorter than seq_len are not used.
+    """
+
+    def __init__(self, documents: list[np.ndarray], seq_len: int, split: str):
+        long_enough = [doc for doc in documents if len(doc) >= seq_len]
+        if not long_enough:
+            longest = max((len(doc) for doc in documents), default=0)
+            raise ValueError(
+                f"no {split} document has data.seq_len={seq_len} tokens (the longest has {longest}); "
+                "lower data.seq_len or use a corpus with longer documents"
+            )
+        self.documents, self.seq_len = long_enough, seq_len
+        starts = np.array([len(doc) - seq_len + 1 for doc in long_enough])
+        self.cumulative = np.cumsum(starts)
+
+    def sample(self, rng: np.random.Generator) -> dict[str, np.ndarray]:
+        """{"tokens": (seq_len,) int64} from a random document and offset."""
+        index = int(rng.integers(self.cumulative[-1]))
+        doc = int(np.searchsorted(self.cumulative, index, side="right"))
+        offset = index - (self.cumulative[doc - 1] if doc else 0)
+        return {"tokens": self.documents[doc][offset : offset + self.seq_len].astype(np.int64)}
+
+
+def split_windows(cfg: TextDataConfig, tokenizer: Tokenizer) -> dict[str, TokenWindows]:
+    """Token windows of the train, val and test documents (documents are split by index)."""
+    documents = load_documents(cfg)
+    if len(documents) < 3:
+        raise ValueError(f"data.corpus={cfg.corpus!r} has {len(documents)} documents; need at least 3")
+    splits = {"train": [], "val": [], "test": []}
+    for i, text in enumerate(documents):
+        split = {0: "val", 1: "test"}.get(i % cfg.held_out_every, "train")
+        splits[split].append(tokenizer.encode(text))
+    return {split: TokenWindows(docs, cfg.seq_len, split) for split, docs in splits.items()}

@@ -1,0 +1,162 @@
+"""What long-context users look at, with and without test-time training: next-token loss by token
+position, and passkey retrieval accuracy by context length. Written to the run directory as CSV,
+JSON and PNG plots.
+
+Every function takes `read(tokens, adapt) -> (logits or None, losses)`, the reading of one sequence
+(1, N) by the model under test (adapt=False: the same model without test-time training).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import matplotlib
+import numpy as np
+import torch
+
+from .passkey import sample_passkey
+from .tokenizer import Tokenizer
+
+matplotlib.use("Agg")
+from matplotlib import pyplot as plt  # noqa: E402  (after choosing the file-only backend)
+
+MODES = {"adapted": True, "unadapted": False}
+"""Figure suffix -> whether the model adapts (test-time training on) while reading."""
+
+ReadFn = Callable[[torch.Tensor, bool], tuple[torch.Tensor | None, torch.Tensor]]
+
+
+@dataclass
+class LongContextEvalConfig:
+    """Evaluation after training (test split and passkey)."""
+
+    position_bins: int = 16
+    """Loss by position is averaged over this many equal bins of token positions."""
+    late_fraction: float = 0.25
+    """The summary's late_loss is the mean loss over this last fraction of the positions."""
+    passkey_lengths: list[int] = field(default_factory=lambda: [256, 512])
+    """Context lengths (tokens) of the passkey test; empty: no passkey test."""
+    passkey_trials: int = 8
+    """Passkey sequences per length."""
+    passkey_digits: int = 5
+    """Digits of the key."""
+
+    def __post_init__(self):
+        if self.position_bins < 1:
+            raise ValueError(f"eval.position_bins must be a positive int, got {self.position_bins}")
+        if not 0 < self.late_fraction <= 1:
+            raise ValueError(f"eval.late_fraction must be in (0, 1], got {self.late_fraction}")
+        if any(length < 2 for length in self.passkey_lengths):
+            raise ValueError(f"eval.passkey_lengths must be ints >= 2, got {self.passkey_lengths}")
+        if self.passkey_trials < 1 or self.passkey_digits < 1:
+            raise ValueError("eval.passkey_trials and eval.passkey_digits must be positive ints")
+
+
+def bin_positions(mean_loss: np.ndarray, bins: int) -> list[dict[str, float]]:
+    """Mean of per-position losses (P,) over `bins` equal ranges: rows {start, end, loss} (end exclusive)."""
+    edges = np.linspace(0, len(mean_loss), min(bins, len(mean_loss)) + 1).astype(int)
+    return [
+        {"start": int(a), "end": int(b), "loss": float(mean_loss[a:b].mean())}
+        for a, b in zip(edges[:-1], edges[1:])
+    ]
+
+
+def passkey_accuracy(
+    read: ReadFn, tokenizer: Tokenizer, cfg: LongContextEvalConfig, *, seed: int, device: torch.device
+) -> list[dict[str, float]]:
+    """Rows {length, exact_adapted, exact_unadapted, token_adapted, token_unadapted}: the fraction of
+    passkeys retrieved exactly, and of answer tokens right, per context length (same keys in both modes)."""
+    rows = []
+    for length in cfg.passkey_lengths:
+        row = {"length": length}
+        for mode, adapt in MODES.items():
+            exact, right = [], []
+            for trial in range(cfg.passkey_trials):
+                sample = sample_passkey(
+                    tokenizer, length, cfg.passkey_digits, np.random.default_rng([seed, length, trial])
+                )
+                tokens = torch.from_numpy(sample["tokens"]).to(device)[None]
+                logits, _ = read(tokens, adapt)
+                positions = torch.from_numpy(np.flatnonzero(sample["answer_mask"])).to(device)
+                hits = logits[0, positions].argmax(-1) == tokens[0, positions + 1]
+                exact.append(float(hits.all()))
+                right.append(hits.float().mean().item())
+            row[f"exact_{mode}"], row[f"token_{mode}"] = float(np.mean(exact)), float(np.mean(right))
+        rows.append(row)
+    return rows
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    """Rows (dicts with the same keys) as a CSV file with a header."""
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def plot_loss_by_position(path: Path, curves: dict[str, list[dict[str, float]]], title: str) -> None:
+    """One line per curve name: loss against the middle position of each bin."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, rows in curves.items():
+        ax.plot(
+            [(r["start"] + r["end"]) / 2 for r in rows], [r["loss"] for r in rows], marker="o", label=name
+        )
+    ax.set(xlabel="token position", ylabel="next-token loss (nats)", title=title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_passkey(path: Path, rows: list[dict[str, float]]) -> None:
+    """Exact passkey accuracy against context length, with and without test-time training."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mode in MODES:
+        ax.plot(
+            [r["length"] for r in rows], [r[f"exact_{mode}"] for r in rows], marker="o", label=f"TTT {mode}"
+        )
+    ax.set(
+        xlabel="context length (tokens)", ylabel="passkey exact accuracy", ylim=(-0.05, 1.05), xscale="log"
+    )
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_long_context_report(
+    run_dir: Path, position_rows: dict[str, list[dict[str, float]]], passkey_rows: list[dict[str, float]]
+) -> dict[str, str]:
+    """Write loss_by_position.{csv,json,png} and passkey.{csv,png} into run_dir; returns name -> path."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    names = list(position_rows)
+    table = [
+        {
+            "start": row["start"],
+            "end": row["end"],
+            **{f"loss_{n}": position_rows[n][i]["loss"] for n in names},
+        }
+        for i, row in enumerate(position_rows[names[0]])
+    ]
+    files = {
+        "loss_by_position_csv": run_dir / "loss_by_position.csv",
+        "loss_by_position_png": run_dir / "loss_by_position.png",
+    }
+    write_csv(files["loss_by_position_csv"], table)
+    (run_dir / "loss_by_position.json").write_text(json.dumps(position_rows, indent=2) + "\n")
+    plot_loss_by_position(
+        files["loss_by_position_png"],
+        {f"TTT {n}": rows for n, rows in position_rows.items()},
+        "loss by token position (test split)",
+    )
+    if passkey_rows:
+        files["passkey_csv"], files["passkey_png"] = run_dir / "passkey.csv", run_dir / "passkey.png"
+        write_csv(files["passkey_csv"], passkey_rows)
+        plot_passkey(files["passkey_png"], passkey_rows)
+    return {name: str(path) for name, path in files.items()}
