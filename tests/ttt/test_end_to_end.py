@@ -93,3 +93,9 @@ def test_a_finished_run_can_be_extended(tiny_overrides, tmp_path):
 def test_resume_of_a_missing_run_fails_clearly(tmp_path, capsys):
     assert main([f"resume={tmp_path / 'nothing'}"]) == 2
     assert "expected a run directory or a checkpoint file" in capsys.readouterr().err
+
+
+def test_bf16_mixed_precision_run(tiny_overrides, tmp_path):
+    assert main(tiny_overrides("maml_longctx", "run.name=bf16", "trainer.precision=bf16-mixed")) == 0
+    summary = json.loads((tmp_path / "bf16" / "summary.json").read_text())
+    assert summary["query_loss_adapted"] == summary["query_loss_adapted"]

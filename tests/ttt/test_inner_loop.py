@@ -200,3 +200,14 @@ def test_meta_step_accumulates_the_mean_outer_gradient_over_tasks():
     torch.testing.assert_close(result.outer_loss, expected_loss.detach())
     torch.testing.assert_close(result.metrics["loss_copy"], expected_loss.detach())
     assert result.inner_losses.shape == (2,)
+
+
+def test_adapt_explains_that_inference_mode_blocks_it():
+    w = torch.zeros(2, requires_grad=True)
+    loop = InnerLoop({"w": w}, InnerLoopConfig())
+    with (
+        torch.inference_mode(),
+        torch.enable_grad(),
+        pytest.raises(RuntimeError, match="inference_mode=False"),
+    ):
+        loop.adapt(lambda p, s: p["w"].sum(), {"w": w})

@@ -93,11 +93,16 @@ class InnerLoop(nn.Module):
         Second order (the default unless cfg.first_order): the returned params carry the graph of
         every inner gradient, so an outer loss differentiates through the steps exactly.
         First order: inner gradients are constants; the outer gradient still reaches the initial
-        params (and the learning rates) through the updates. Works inside torch.no_grad or
-        inference-free evaluation too, as long as grad mode is on (use torch.enable_grad()).
+        params (and the learning rates) through the updates. Needs grad mode (inside torch.no_grad,
+        wrap the call in torch.enable_grad()) and cannot run under torch.inference_mode.
         """
         if list(params) != self.names:
             raise ValueError(f"params must be keyed {self.names}, got {list(params)}")
+        if torch.is_inference_mode_enabled():
+            raise RuntimeError(
+                "InnerLoop.adapt cannot run under torch.inference_mode (inner steps need gradients); "
+                "with Lightning, build the Trainer with inference_mode=False"
+            )
         if not torch.is_grad_enabled():
             raise RuntimeError("InnerLoop.adapt needs grad mode: wrap evaluation in torch.enable_grad()")
         steps = self.cfg.steps if steps is None else steps

@@ -1,0 +1,118 @@
+"""MetaLearner used directly (a user subclass, evaluation, schedules) and the run-tracking helpers."""
+
+import json
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+
+from ttt.config import OuterOptimConfig
+from ttt.inner import InnerLoopConfig
+from ttt.meta import MetaLearner
+from ttt.meta.module import lr_multiplier
+from ttt.tracking import AtomicCheckpointIO, atomic_write_text, format_summary_table, write_summary
+
+
+class ShiftLearner(MetaLearner):
+    """Tasks: regress y = x + shift; the inner loop fits the bias on the support set."""
+
+    def inner_loss(self, params, task, step):
+        return (self.forward_with(params, task["x"]) - task["y"]).square().mean()
+
+    def outer_loss(self, params, task):
+        error = (self.forward_with(params, task["xq"]) - task["yq"]).square().mean()
+        return error, {"error": error.detach()}
+
+
+def _shift_batch(n_tasks=4, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    shift = 3 * torch.randn(n_tasks, 1, 1, generator=gen)
+    x, xq = torch.randn(n_tasks, 8, 1, generator=gen), torch.randn(n_tasks, 8, 1, generator=gen)
+    return {"x": x, "y": x + shift, "xq": xq, "yq": xq + shift}
+
+
+def test_user_subclass_meta_trains_with_lightning_and_adapts_at_evaluation():
+    torch.manual_seed(0)
+    model = nn.Linear(1, 1)
+    inner = InnerLoopConfig(params=["bias"], steps=3, lr=0.3)
+    learner = ShiftLearner(model, inner, OuterOptimConfig(lr=0.05, scheduler="constant"), total_steps=40)
+    batches = [_shift_batch(seed=i) for i in range(40)]
+    trainer = pl.Trainer(
+        max_steps=40,
+        inference_mode=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+    )
+    trainer.fit(learner, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
+    assert learner.model.weight.item() == pytest.approx(1.0, abs=0.1)
+    metrics = trainer.validate(
+        learner, torch.utils.data.DataLoader([_shift_batch(seed=99)], batch_size=None)
+    )[0]
+    assert metrics["val/query_loss_adapted"] < 0.2 * metrics["val/query_loss_unadapted"]
+    assert metrics["val/query_error_adapted"] == pytest.approx(metrics["val/query_loss_adapted"])
+
+
+def test_evaluation_under_inference_mode_is_refused_with_the_fix():
+    learner = ShiftLearner(nn.Linear(1, 1), InnerLoopConfig(params=["bias"]), OuterOptimConfig(), 1)
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="inference_mode=False"):
+        learner.evaluate(_shift_batch())
+
+
+def test_meta_learned_inner_lrs_are_optimized():
+    inner = InnerLoopConfig(params=["bias"], learnable_lr="tensor", lr=0.1)
+    learner = ShiftLearner(nn.Linear(1, 1), inner, OuterOptimConfig(), 1)
+    optimizer = learner.configure_optimizers()["optimizer"]
+    optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    assert id(learner.inner_loop.lrs[0]) in optimized
+
+
+@pytest.mark.parametrize(
+    "scheduler, expected",
+    [
+        ("constant", [0.5, 1.0, 1.0, 1.0, 1.0]),
+        ("linear", [0.5, 1.0, 1.0, 0.7, 0.4]),
+        ("cosine", [0.5, 1.0, 1.0, 0.775, 0.325]),
+    ],
+)
+def test_lr_schedules(scheduler, expected):
+    cfg = OuterOptimConfig(scheduler=scheduler, warmup_steps=2, min_lr_ratio=0.1)
+    got = [lr_multiplier(step, cfg=cfg, total_steps=5) for step in range(5)]
+    assert got == pytest.approx(expected)
+
+
+def test_atomic_checkpoint_keeps_the_old_file_when_a_save_fails(tmp_path, monkeypatch):
+    path = tmp_path / "checkpoints" / "last.ckpt"
+    io = AtomicCheckpointIO()
+    io.save_checkpoint({"step": 1}, path)
+
+    def failing_save(obj, handle):
+        handle.write(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", failing_save)
+    with pytest.raises(OSError, match="disk full"):
+        io.save_checkpoint({"step": 2}, path)
+    monkeypatch.undo()
+    assert torch.load(path, weights_only=False) == {"step": 1}
+    assert [p.name for p in path.parent.iterdir()] == ["last.ckpt"]
+
+
+def test_summary_file_and_table(tmp_path):
+    summary = {
+        "query_loss_unadapted": 4.2,
+        "query_loss_adapted": 0.01,
+        "outer_steps": 3,
+        "peak_memory_gib": None,
+    }
+    write_summary(tmp_path / "summary.json", summary)
+    assert json.loads((tmp_path / "summary.json").read_text()) == summary
+    table = format_summary_table(summary)
+    assert table.splitlines()[0].split() == ["metric", "unadapted", "adapted"]
+    assert table.splitlines()[2].split() == ["query_loss", "4.2000", "0.0100"]
+    assert "peak_memory_gib  -" in table
+    atomic_write_text(tmp_path / "note.txt", "hello")
+    assert (tmp_path / "note.txt").read_text() == "hello"
