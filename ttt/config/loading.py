@@ -25,12 +25,17 @@ class ConfigError(ValueError):
 
 
 def available_recipes() -> dict[str, Path]:
-    """Recipe name -> its YAML file, for every configs/*.yaml."""
+    """Recipe name -> its YAML file, for every configs/**/*.yaml (configs/pretrained/x.yaml is named
+    pretrained/x)."""
     import configs
 
     # __path__ rather than importlib.resources: it also works when configs resolves as a namespace package.
     folders = [Path(entry) for entry in configs.__path__ if Path(entry).is_dir()]
-    return {path.stem: path for folder in folders for path in sorted(folder.glob("*.yaml"))}
+    return {
+        path.relative_to(folder).with_suffix("").as_posix(): path
+        for folder in folders
+        for path in sorted(folder.rglob("*.yaml"))
+    }
 
 
 def recipe_header(path: Path) -> str:
