@@ -10,72 +10,13 @@ import json
 
 import pytest
 import torch
+from hf_checkpoints import LLAMA_JSON, hf_llama_tensors, write_checkpoint
 from safetensors.torch import save_file
 
-from ttt.models import GPT2, Transformer, TransformerConfig, from_pretrained
+from ttt.models import GPT2, Transformer, from_pretrained
 
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 TOKENS = torch.tensor([[1, 5, 9, 3, 60, 7, 2, 11, 40, 13, 0, 63], [4, 4, 8, 15, 16, 23, 42, 1, 2, 3, 5, 8]])
-
-LLAMA_JSON = {
-    "architectures": ["LlamaForCausalLM"],
-    "vocab_size": 64,
-    "hidden_size": 32,
-    "intermediate_size": 48,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 500.0,
-    "tie_word_embeddings": False,
-    "hidden_act": "silu",
-}
-
-
-def hf_llama_tensors(model: Transformer) -> dict[str, torch.Tensor]:
-    """Our Transformer's weights under Hugging Face Llama names (written by hand, independently of the
-    loader's table)."""
-    out = {"model.embed_tokens.weight": model.embed.weight, "model.norm.weight": model.norm.weight}
-    if model.lm_head is not None:
-        out["lm_head.weight"] = model.lm_head.weight
-    for i, layer in enumerate(model.layers):
-        p = f"model.layers.{i}."
-        out[p + "input_layernorm.weight"] = layer.attn_norm.weight
-        out[p + "post_attention_layernorm.weight"] = layer.mlp_norm.weight
-        for hf, ours in (
-            ("q", layer.attn.wq),
-            ("k", layer.attn.wk),
-            ("v", layer.attn.wv),
-            ("o", layer.attn.wo),
-        ):
-            out[p + f"self_attn.{hf}_proj.weight"] = ours.weight
-        for hf, ours in (("gate", layer.mlp.w_gate), ("up", layer.mlp.w_up), ("down", layer.mlp.w_down)):
-            out[p + f"mlp.{hf}_proj.weight"] = ours.weight
-    return {name: t.detach().clone().contiguous() for name, t in out.items()}
-
-
-def write_checkpoint(path, config: dict, tensors: dict[str, torch.Tensor]):
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config))
-    save_file(tensors, str(path / "model.safetensors"))
-    return path
-
-
-@pytest.fixture
-def llama_reference(tmp_path):
-    torch.manual_seed(0)
-    cfg = TransformerConfig(
-        vocab_size=64,
-        d_model=32,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        d_ff=48,
-        rope_theta=500.0,
-        attention="eager",
-    )
-    model = Transformer(cfg)
-    return model, write_checkpoint(tmp_path / "llama", LLAMA_JSON, hf_llama_tensors(model))
 
 
 def test_hand_built_llama_checkpoint_loads_with_the_same_logits(llama_reference):

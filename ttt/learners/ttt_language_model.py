@@ -58,6 +58,14 @@ class TTTLanguageLearner(pl.LightningModule):
         self._position_sums: dict[str, torch.Tensor] = {}
         self._position_count = 0
 
+    def initial_params(self) -> dict[str, torch.nn.Parameter]:
+        """The fast weights' meta-learned initial values (live parameters of the model)."""
+        return self.model.initial_fast_weights()
+
+    def split_tasks(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """A batch {"tokens": (B, N)} -> one {"tokens": (1, N)} per sequence (each adapts on its own)."""
+        return [{"tokens": row[None]} for row in batch["tokens"]]
+
     def inner_lr_scale(self) -> float:
         """Inner learning-rate warm-up factor at the current outer step."""
         return self.model.ttt_cfg.lr_scale(self.global_step)
@@ -76,13 +84,13 @@ class TTTLanguageLearner(pl.LightningModule):
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         optimizer, scheduler = self.optimizers(), self.lr_schedulers()
-        tokens = batch["tokens"]
+        sequences = self.split_tasks(batch)
         optimizer.zero_grad()
-        total = torch.zeros((), device=tokens.device)
-        for row in tokens:  # one sequence's graph alive at a time
-            loss = self.model.token_losses(row[None], lr_scale=self.inner_lr_scale()).mean()
-            self.manual_backward(loss / len(tokens))
-            total += loss.detach() / len(tokens)
+        total = torch.zeros((), device=self.device)
+        for sequence in sequences:  # one sequence's graph alive at a time
+            loss = self.model.token_losses(sequence["tokens"], lr_scale=self.inner_lr_scale()).mean()
+            self.manual_backward(loss / len(sequences))
+            total += loss.detach() / len(sequences)
         if self.optim_cfg.grad_clip is not None:
             self.clip_gradients(
                 optimizer, gradient_clip_val=self.optim_cfg.grad_clip, gradient_clip_algorithm="norm"
@@ -94,15 +102,15 @@ class TTTLanguageLearner(pl.LightningModule):
             "train/lr": torch.tensor(scheduler.get_last_lr()[0]),
             "train/inner_lr_scale": torch.tensor(self.inner_lr_scale()),
         }
-        self.log_dict(metrics, batch_size=len(tokens))
-        self.log("loss", total, prog_bar=True, logger=False, batch_size=len(tokens))
+        self.log_dict(metrics, batch_size=len(sequences))
+        self.log("loss", total, prog_bar=True, logger=False, batch_size=len(sequences))
         return total
 
     def position_losses(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Per-position losses (B, N - 1) of a held-out batch, with ("adapted") and without TTT."""
-        tokens = batch["tokens"]
+        sequences = self.split_tasks(batch)
         return {
-            mode: torch.stack([self.read(row[None], adapt)[1] for row in tokens])
+            mode: torch.stack([self.read(seq["tokens"], adapt)[1] for seq in sequences])
             for mode, adapt in MODES.items()
         }
 

@@ -1,0 +1,99 @@
+"""ttt_pretrained: turn a pretrained Llama / Qwen2 / SmolLM2 checkpoint into a TTT-E2E model (sliding-
+window attention, extra fast-weight MLPs in the last blocks, their output projections at zero so the
+converted model starts as the checkpoint with a window) and meta-fine-tune it on long text.
+
+The presets in configs/pretrained/ give each well-known checkpoint's architecture and the TTT
+settings that suit it; model.checkpoint=/path/to/dir loads the weights, and the checkpoint's
+config.json must describe the preset's architecture. Without a checkpoint the architecture is
+initialised at random (smoke tests, memory and time measurements).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ttt.config import RecipeConfig
+from ttt.inner import InnerLoopConfig
+from ttt.learners.ttt_language_model import TTTLanguageLearner
+from ttt.models import Transformer, TransformerConfig, from_pretrained
+from ttt.text.corpus import TextDataConfig
+from ttt.text.data import TextDataModule
+from ttt.text.long_context import LongContextEvalConfig
+from ttt.text.tokenizer import load_tokenizer
+from ttt.ttt_layers import TTTConfig, TTTTransformer
+
+from .ttt_e2e import build_data, build_learner
+
+COMPARED_FIELDS = (
+    "vocab_size", "d_model", "n_layers", "n_heads", "kv_heads", "head_size", "ff_size",
+    "rope_theta", "norm_eps", "tie_embeddings", "qkv_bias",
+)  # fmt: skip
+"""Architecture fields a checkpoint must share with the preset (attention and window are ours to choose)."""
+
+
+@dataclass
+class PretrainedConfig:
+    """A pretrained checkpoint and the architecture it must have."""
+
+    checkpoint: str | None = None
+    """Hugging Face-format directory (config.json + safetensors); null: random weights of the architecture."""
+    architecture: TransformerConfig = field(default_factory=TransformerConfig)
+    """The checkpoint's architecture, with the attention backend and sliding window to run it with."""
+
+
+@dataclass
+class Config(RecipeConfig):
+    """ttt_pretrained: checkpoint, test-time training, inner loop, text and evaluation."""
+
+    model: PretrainedConfig = field(default_factory=PretrainedConfig)
+    """The pretrained model."""
+    ttt: TTTConfig = field(default_factory=TTTConfig)
+    """Where the fast weights sit and how the context is chunked."""
+    inner: InnerLoopConfig = field(
+        default_factory=lambda: InnerLoopConfig(params=["layers.*.ttt_mlp.*"], lr=1.0, grad_clip=1.0)
+    )
+    """The inner optimizer; inner.params (globs) pick the fast weights among the suffix blocks' parameters."""
+    data: TextDataConfig = field(default_factory=TextDataConfig)
+    """The text corpus; data.tokenizer=checkpoint: model.checkpoint's tokenizer.json (bytes without one)."""
+    eval: LongContextEvalConfig = field(default_factory=LongContextEvalConfig)
+    """Loss by position and passkey retrieval after meta-fine-tuning."""
+
+
+def load_base_model(cfg: PretrainedConfig) -> Transformer:
+    """The checkpoint's model (attention and window from cfg.architecture), checked against the
+    architecture; a random model of the architecture when cfg.checkpoint is null."""
+    arch = cfg.architecture
+    if cfg.checkpoint is None:
+        return Transformer(arch)
+    model = from_pretrained(cfg.checkpoint, attention=arch.attention, window=arch.window)
+    if not isinstance(model, Transformer):
+        raise ValueError(
+            f"model.checkpoint={cfg.checkpoint!r} is a {type(model).__name__}: test-time training needs a "
+            "RoPE transformer (Llama, Qwen2, SmolLM2)"
+        )
+    mismatched = [
+        f"{name}: checkpoint {getattr(model.cfg, name)!r}, preset {getattr(arch, name)!r}"
+        for name in COMPARED_FIELDS
+        if getattr(model.cfg, name) != getattr(arch, name)
+    ]
+    if mismatched:
+        raise ValueError(
+            f"model.checkpoint={cfg.checkpoint!r} does not have the architecture of model.architecture "
+            f"({'; '.join(mismatched)}); pick the preset of that checkpoint"
+        )
+    return model
+
+
+def build(cfg: Config) -> tuple[TTTLanguageLearner, TextDataModule]:
+    """The converted pretrained model and the text stream of `cfg`."""
+    spec = cfg.data.tokenizer
+    if spec == "checkpoint":
+        spec = "bytes" if cfg.model.checkpoint is None else cfg.model.checkpoint
+    tokenizer = load_tokenizer(spec)
+    vocab = cfg.model.architecture.vocab_size
+    if vocab < tokenizer.vocab_size:
+        raise ValueError(
+            f"the model's vocabulary ({vocab}) is smaller than the tokenizer's ({tokenizer.vocab_size})"
+        )
+    model = TTTTransformer(load_base_model(cfg.model), cfg.ttt, cfg.inner)
+    return build_learner(cfg, model, tokenizer), build_data(cfg, tokenizer)
