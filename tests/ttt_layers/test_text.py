@@ -111,3 +111,20 @@ def test_loss_by_position_bins():
     assert rows[0]["loss"] == 0.5 and rows[-1]["loss"] == 8.0
     with pytest.raises(ValueError, match="eval.late_fraction"):
         LongContextEvalConfig(late_fraction=0)
+
+
+def test_compare_overlays_runs(tmp_path, capsys):
+    from ttt.text.compare import main
+
+    rows = [{"start": 0, "end": 4, "loss": 2.0}, {"start": 4, "end": 8, "loss": 1.5}]
+    for name, unadapted in (("ttt", [{**rows[0]}, {**rows[1], "loss": 1.8}]), ("base", rows)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "loss_by_position.json").write_text(
+            json.dumps({"adapted": rows, "unadapted": unadapted})
+        )
+    assert main([str(tmp_path / "ttt"), str(tmp_path / "base"), "--out", str(tmp_path / "cmp")]) == 0
+    table = (tmp_path / "cmp" / "loss_by_position_compare.md").read_text()
+    assert "| ttt (no TTT) | 2.0000 | 1.8000 |" in table and "| base | 2.0000 | 1.5000 |" in table
+    assert "base (no TTT)" not in table and (tmp_path / "cmp" / "loss_by_position_compare.png").is_file()
+    assert main([str(tmp_path / "missing"), "--out", str(tmp_path / "cmp")]) == 2
+    assert "no loss_by_position.json" in capsys.readouterr().err

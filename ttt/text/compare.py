@@ -1,0 +1,65 @@
+"""Compare the loss by position of several runs in one plot and one markdown table.
+
+    python -m ttt.text.compare RUN_DIR [RUN_DIR ...] --out DIR
+
+Each run directory must hold loss_by_position.json (written by the ttt_e2e and ttt_pretrained
+recipes). A run that trained with test-time training contributes two curves (with and without it);
+a run without it (ttt.enabled=false) contributes one. Writes DIR/loss_by_position_compare.png and
+DIR/loss_by_position_compare.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .long_context import plot_loss_by_position
+
+
+def load_curves(run_dir: Path) -> dict[str, list[dict[str, float]]]:
+    """Curve label -> binned rows of one run (labels are '<run name>' or '<run name> (no TTT)')."""
+    path = run_dir / "loss_by_position.json"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{run_dir}: no loss_by_position.json (is it a finished ttt_e2e run directory?)"
+        )
+    rows = json.loads(path.read_text())
+    if rows["adapted"] == rows["unadapted"]:
+        return {run_dir.name: rows["adapted"]}
+    return {run_dir.name: rows["adapted"], f"{run_dir.name} (no TTT)": rows["unadapted"]}
+
+
+def markdown_table(curves: dict[str, list[dict[str, float]]]) -> str:
+    """Loss per position bin (columns) of each curve (rows)."""
+    bins = next(iter(curves.values()))
+    header = "| curve | " + " | ".join(f"{r['start']}-{r['end']}" for r in bins) + " |"
+    lines = [header, "|" + "---|" * (len(bins) + 1)]
+    lines += [
+        f"| {name} | " + " | ".join(f"{r['loss']:.4f}" for r in rows) + " |" for name, rows in curves.items()
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `python -m ttt.text.compare`; returns the exit status."""
+    parser = argparse.ArgumentParser(prog="python -m ttt.text.compare", description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+", type=Path, help="run directories")
+    parser.add_argument("--out", type=Path, required=True, help="directory for the plot and the table")
+    args = parser.parse_args(argv)
+    try:
+        curves = {label: rows for run in args.runs for label, rows in load_curves(run).items()}
+    except FileNotFoundError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    plot_loss_by_position(args.out / "loss_by_position_compare.png", curves, "loss by token position")
+    table = markdown_table(curves)
+    (args.out / "loss_by_position_compare.md").write_text(table)
+    print(table, end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
