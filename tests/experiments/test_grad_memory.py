@@ -1,0 +1,132 @@
+"""The gradient-memory experiment on the CPU: a tiny sweep end to end, the memory model against the
+measured saved-for-backward bytes, and the sweep's failure handling. No timing is asserted."""
+
+import csv
+import json
+
+import pytest
+import torch
+
+from ttt.experiments import grad_memory
+from ttt.experiments.grad_memory_config import load
+from ttt.experiments.meta_step_probe import Point, ProbeSetup, measure, time_limit
+from ttt.models import TransformerConfig
+
+TINY = [
+    "preset=cpu",
+    "d_model=32",
+    "n_heads=2",
+    "head_dim=16",
+    "n_sweep.ns=[16,32]",
+    "n_sweep.ks=[1,2]",
+    "k_sweep.ns=[16]",
+    "k_sweep.ks=[1,2,3]",
+    "k_sweep.checkpoint=[false,true]",
+    "variants.ns=[16]",
+    "variants.ks=[2]",
+    "variants.orders=[first]",
+    "variants.checkpoint=[false,true]",
+]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny steps run many times faster on one thread than on threads that wait for each other."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_cpu_sweep_writes_csv_table_plots_and_environment(tmp_path, capsys):
+    assert grad_memory.main([*TINY, f"out={tmp_path}"]) == 0
+    with open(tmp_path / "results.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    # 3 backends x (n_sweep 2 N x 2 k + k_sweep k=3 and its checkpointed k=1..3 + 2 first-order variants).
+    assert len(rows) == 3 * (4 + 1 + 3 + 2)
+    assert {row["status"] for row in rows} == {"ok"}
+    for row in rows:
+        assert float(row["saved_gib"]) > 0 and float(row["predicted_gib"]) > 0 and float(row["seconds"]) > 0
+        assert row["peak_gib"] == ""  # allocator peak only on CUDA
+    assert sum(row["first_call_s"] != "" for row in rows) == 6  # one warm-up per (backend, order)
+    for name in ("memory_vs_n.png", "time_vs_n.png", "memory_vs_k.png"):
+        assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+    env = json.loads((tmp_path / "environment.json").read_text())
+    assert env["torch"] == torch.__version__ and env["commit"] and env["dtype"] == "float32"
+    table = (tmp_path / "table.md").read_text()
+    assert f"commit {env['commit']}" in table and table.count("\n| flashbob |") == 10
+    assert "memory slope in k" in table and "eager / flashbob" in table
+    assert json.loads((tmp_path / "results.json").read_text())["rows"][0]["backend"] == "flashbob"
+    assert "grad_memory: 30 points" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("backend", ["eager", "sdpa_math"])
+def test_memory_model_matches_the_saved_bytes(dtype, backend):
+    cfg = load(["preset=cpu", "dtype=fp32"], cuda_available=False)
+    setup = grad_memory.resolve(cfg)
+    setup.dtype = dtype
+    predict = grad_memory.predictor(setup)
+    for n, k, order in [(24, 2, "first"), (24, 1, "second"), (40, 3, "second")]:
+        point = Point(backend, n, k, order, False)
+        row = measure(setup, point, warmup=False, time_limit_s=None)
+        assert row["status"] == "ok", row["error"]
+        assert row["saved_gib"] == pytest.approx(predict(point), rel=0.03), point
+
+
+def test_failed_point_skips_the_larger_points_of_its_series(tmp_path, monkeypatch):
+    def fake_measure(setup, point, *, warmup, time_limit_s):
+        status = "oom" if point.backend == "eager" and point.n >= 32 and point.k >= 2 else "ok"
+        return {"status": status, "seconds": 0.1 if status == "ok" else None}
+
+    monkeypatch.setattr(grad_memory, "measure", fake_measure)
+    cfg = load(
+        [
+            *TINY[:5],
+            "n_sweep.ns=[16,32,64]",
+            "n_sweep.ks=[1,2,4]",
+            "k_sweep.ns=[]",
+            "variants.ns=[]",
+            f"out={tmp_path}",
+        ],
+        cuda_available=False,
+    )
+    rows = {(r["backend"], r["n"], r["k"]): r["status"] for r in grad_memory.run(cfg)}
+    assert rows[("eager", 32, 2)] == "oom"
+    assert rows[("eager", 64, 4)] == rows[("eager", 32, 4)] == "skipped (oom at N=32, k=2)"
+    assert rows[("eager", 64, 1)] == rows[("eager", 16, 4)] == rows[("flashbob", 64, 4)] == "ok"
+
+
+def test_out_of_memory_and_time_limit_are_recorded_not_raised(monkeypatch):
+    setup = ProbeSetup(
+        TransformerConfig(d_model=16, n_heads=2),
+        ["layers.*.mlp.*"],
+        0.01,
+        torch.device("cpu"),
+        torch.float32,
+        0,
+    )
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64 GiB")
+
+    monkeypatch.setattr("ttt.experiments.meta_step_probe.meta_step", out_of_memory)
+    row = measure(setup, Point("eager", 8, 1, "second", False), warmup=False, time_limit_s=None)
+    assert row["status"] == "oom" and row["seconds"] is None
+    with pytest.raises(Exception, match="over the time limit"), time_limit(0.05):
+        while True:
+            pass
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("n_sweep.nss=[1]", "nss"),
+        ("backends=[flash]", "backends"),
+        ("preset=tpu", "preset"),
+        ("n_sweep.orders=[third]", "orders"),
+    ],
+)
+def test_bad_overrides_are_errors_naming_the_key(override, message, capsys):
+    assert grad_memory.main([override]) == 2
+    assert message in capsys.readouterr().err

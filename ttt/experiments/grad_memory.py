@@ -1,0 +1,167 @@
+"""Inner-loop gradient memory: what one full meta step costs, per attention backend, as N and k grow.
+
+    python -m ttt.experiments.grad_memory [key=value ...]       # keys: ttt.experiments.grad_memory_config
+
+For each point (backend, N, k, first/second order, inner-step checkpointing) it runs one full meta
+step of a causal transformer whose MLPs are adapted (`meta_step_probe`) and records peak memory,
+bytes saved for backward, the back-of-envelope prediction (`memory_model`), wall time, and whether
+it ran out of memory. Unattended runs are safe: a failed point is recorded (oom / timeout / error)
+and the larger points of its series (same backend, order and checkpointing, N and k at least as
+large) are skipped; results.csv is rewritten after every point; points that would start after
+`max_minutes` are skipped. At the end: table.md, results.json, environment.json and the plots.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from ttt.inner import select_parameters
+from ttt.models import Transformer, TransformerConfig
+
+from . import grad_memory_report as report
+from .environment import describe
+from .grad_memory_config import GradMemoryConfig, Sweep, load
+from .memory_model import ModelDims, predicted_bytes
+from .meta_step_probe import GIB, Point, ProbeSetup, measure
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def sweep_points(cfg: GradMemoryConfig) -> list[Point]:
+    """The points of n_sweep, k_sweep and variants in that order, without repeats; within a sweep, per
+    backend, order and checkpointing, N then k ascending (so a failure can skip what follows)."""
+    points: dict[Point, None] = {}
+    sweeps: list[Sweep] = [cfg.n_sweep, cfg.k_sweep, cfg.variants]
+    for sweep in sweeps:
+        for backend in cfg.backends:
+            for order in sweep.orders:
+                for ckpt in sweep.checkpoint:
+                    for n in sorted(sweep.ns):
+                        for k in sorted(sweep.ks):
+                            points.setdefault(Point(backend, n, k, order, ckpt))
+    return list(points)
+
+
+def blocked_by(point: Point, failed: list[Point]) -> Point | None:
+    """A failed point of the same series with N and k no larger than `point`'s, if any."""
+    for bad in failed:
+        same = (bad.backend, bad.order, bad.checkpoint) == (point.backend, point.order, point.checkpoint)
+        if same and bad.n <= point.n and bad.k <= point.k:
+            return bad
+    return None
+
+
+def resolve(cfg: GradMemoryConfig) -> ProbeSetup:
+    """The fixed part of every point: model config, device and dtype (auto resolved)."""
+    device = torch.device(
+        "cuda"
+        if cfg.device == "auto" and torch.cuda.is_available()
+        else "cpu"
+        if cfg.device == "auto"
+        else cfg.device
+    )
+    dtype = cfg.dtype if cfg.dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32")
+    model = TransformerConfig(
+        vocab_size=cfg.vocab_size,
+        d_model=cfg.d_model,
+        n_layers=cfg.n_layers,
+        n_heads=cfg.n_heads,
+        head_dim=cfg.head_dim,
+    )
+    return ProbeSetup(model, list(cfg.adapted), cfg.inner_lr, device, DTYPES[dtype], cfg.seed)
+
+
+def predictor(setup: ProbeSetup):
+    """point -> predicted GiB (`memory_model.predicted_bytes` for the sweep's model, built on the meta
+    device: no memory)."""
+    with torch.device("meta"):
+        model = Transformer(setup.model).to(setup.dtype)
+    dims = ModelDims.of(model, list(select_parameters(model, setup.adapted)))
+    elem = torch.empty((), dtype=setup.dtype).element_size()
+
+    def predict(point: Point) -> float:
+        backend = executed_backend(point.backend, setup.device)
+        options = dict(n=point.n, k=point.k, order=point.order, checkpoint=point.checkpoint)
+        return predicted_bytes(dims, backend, elem, **options) / GIB
+
+    return predict
+
+
+def executed_backend(backend: str, device: torch.device) -> str:
+    """The attention code that actually runs: flashbob is the plain-PyTorch (eager) path off CUDA."""
+    return "eager" if backend == "flashbob" and device.type != "cuda" else backend
+
+
+def run_point(cfg: GradMemoryConfig, setup: ProbeSetup, point: Point, *, left_s: float, warmup: bool) -> dict:
+    """`measure` the point within min(point_time_limit_s, left_s); a timeout caused by the sweep's budget
+    (not by the point's own limit) becomes status "stopped (budget)"."""
+    limit = left_s if cfg.point_time_limit_s is None else min(left_s, cfg.point_time_limit_s)
+    row = measure(setup, point, warmup=warmup, time_limit_s=limit)
+    if row["status"] == "timeout" and limit < (cfg.point_time_limit_s or float("inf")):
+        row["status"] = "stopped (budget)"
+    return row
+
+
+def run(cfg: GradMemoryConfig) -> list[dict]:
+    """Measure every point of `cfg`, writing the outputs under cfg.out as it goes; returns the rows."""
+    setup = resolve(cfg)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**describe(setup.device), "dtype": str(setup.dtype).removeprefix("torch.")}
+    report.write_atomic(out / "environment.json", json.dumps(env, indent=1) + "\n")
+    predict = predictor(setup)
+    points = sweep_points(cfg)
+    print(
+        f"grad_memory: {len(points)} points on {env['device']} ({env['dtype']}); writing {out}/", flush=True
+    )
+    rows, failed, warmed = [], {}, set()
+    start = time.perf_counter()
+    for point in points:
+        row = {**vars(point), "error": "", **dict.fromkeys(report.MEASURED), "predicted_gib": predict(point)}
+        left_s = cfg.max_minutes * 60 - (time.perf_counter() - start)
+        bad = blocked_by(point, list(failed))
+        if bad is not None:
+            row["status"] = f"skipped ({failed[bad]} at N={bad.n}, k={bad.k})"
+        elif left_s <= 0:
+            row["status"] = "skipped (budget)"
+        else:
+            row.update(
+                run_point(cfg, setup, point, left_s=left_s, warmup=(point.backend, point.order) not in warmed)
+            )
+            warmed.add((point.backend, point.order))
+            if row["status"] not in ("ok", "stopped (budget)"):
+                failed[point] = row["status"]
+        rows.append(row)
+        print(report.progress_line(row), flush=True)
+        report.write_atomic(out / "results.csv", report.csv_text(rows))
+    report.write_atomic(out / "results.json", json.dumps({"environment": env, "rows": rows}, indent=1) + "\n")
+    report.write_atomic(out / "table.md", report.markdown(rows, env))
+    report.plot(rows, out)
+    print("\n".join(report.headline(rows)))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: parse key=value overrides, run the sweep; 2 on a bad override."""
+    try:
+        cfg = load(sys.argv[1:] if argv is None else argv, cuda_available=torch.cuda.is_available())
+    except ValueError as err:
+        print(f"grad_memory: {err}", file=sys.stderr)
+        return 2
+    threads = torch.get_num_threads()
+    if cfg.cpu_threads is not None:
+        torch.set_num_threads(cfg.cpu_threads)
+    try:
+        run(cfg)
+    finally:
+        torch.set_num_threads(threads)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,231 @@
+"""Outputs of the gradient-memory sweep: the CSV (rewritten after every point), a markdown table with
+the headline figures, and three plots. A row is a dict with the keys of COLUMNS."""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+from pathlib import Path
+
+COLUMNS = (
+    "backend",
+    "order",
+    "checkpoint",
+    "k",
+    "n",
+    "status",
+    "peak_gib",
+    "saved_gib",
+    "predicted_gib",
+    "params_gib",
+    "seconds",
+    "first_call_s",
+    "error",
+)
+MEASURED = ("status", "peak_gib", "saved_gib", "params_gib", "seconds", "first_call_s")
+BACKEND_STYLE = {"flashbob": "tab:blue", "eager": "tab:red", "sdpa_math": "tab:orange"}
+K_MARKERS = {1: "o", 2: "s", 4: "^", 8: "D"}
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temporary file, so a killed run never leaves half a file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _csv_value(value):
+    if value is None:
+        return ""
+    return format(value, ".6g") if isinstance(value, float) else value
+
+
+def csv_text(rows: list[dict]) -> str:
+    """The rows as CSV with a header (COLUMNS); None becomes an empty cell."""
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=COLUMNS, extrasaction="ignore", lineterminator="\n")
+    writer.writeheader()
+    writer.writerows({key: _csv_value(row.get(key)) for key in COLUMNS} for row in rows)
+    return buffer.getvalue()
+
+
+def _ok(rows, **match) -> list[dict]:
+    return [r for r in rows if r["status"] == "ok" and all(r[key] == value for key, value in match.items())]
+
+
+def _memory(row: dict) -> float | None:
+    """The measured memory of a row: the allocator peak on CUDA, the saved-for-backward peak elsewhere."""
+    return row["peak_gib"] if row["peak_gib"] is not None else row["saved_gib"]
+
+
+def headline(rows: list[dict]) -> list[str]:
+    """Findings as markdown bullets: reach and first OOM per backend, memory slopes, speed ratio."""
+    lines = []
+    series = sorted({(r["backend"], r["k"], r["order"], r["checkpoint"]) for r in rows})
+    for backend, k, order, ckpt in series:
+        same = [
+            r
+            for r in rows
+            if (r["backend"], r["k"], r["order"], r["checkpoint"]) == (backend, k, order, ckpt)
+        ]
+        ok = sorted(r["n"] for r in same if r["status"] == "ok")
+        oom = sorted(r["n"] for r in same if r["status"] == "oom")
+        if len(ok) + len(oom) < 2:
+            continue
+        line = (
+            f"- {backend}, k={k}, {order} order{', checkpointed' if ckpt else ''}: largest N that ran "
+            f"{max(ok) if ok else '-'}; first OOM at N={min(oom) if oom else '-'}"
+        )
+        fit = sorted((r["n"], _memory(r)) for r in _ok(same) if _memory(r) is not None)
+        if len(fit) >= 2 and backend == "flashbob":
+            (n0, m0), (n1, m1) = fit[-2], fit[-1]
+            line += f"; memory slope {(m1 - m0) * 2**20 / (n1 - n0):.1f} KiB/token (N={n0}..{n1})"
+        lines.append(line)
+    for backend, n, order, ckpt in sorted(
+        {(r["backend"], r["n"], r["order"], r["checkpoint"]) for r in rows}
+    ):
+        same = _ok(rows, backend=backend, n=n, order=order, checkpoint=ckpt)
+        fit = sorted((r["k"], _memory(r)) for r in same if _memory(r) is not None)
+        if len(fit) >= 3 and order == "second" and not ckpt:
+            (k0, m0), (k1, m1) = fit[0], fit[-1]
+            lines.append(
+                f"- {backend}, N={n}: memory slope in k {(m1 - m0) / (k1 - k0):.3f} GiB per inner step "
+                f"({(m1 - m0) * 2**20 / (k1 - k0) / n:.1f} KiB/token; k={k0}..{k1})"
+            )
+    for k, order, ckpt in sorted({(r["k"], r["order"], r["checkpoint"]) for r in rows}):
+        both = {r["n"]: r for r in _ok(rows, backend="eager", k=k, order=order, checkpoint=ckpt)}
+        pairs = [
+            (n, both[n], r)
+            for n, r in (
+                (r["n"], r) for r in _ok(rows, backend="flashbob", k=k, order=order, checkpoint=ckpt)
+            )
+            if n in both
+        ]
+        if pairs and all(p[1]["seconds"] and p[2]["seconds"] for p in pairs):
+            n, eager, flash = max(pairs, key=lambda p: p[0])
+            lines.append(
+                f"- speed, k={k}, {order} order{', checkpointed' if ckpt else ''}: eager / flashbob "
+                f"time at N={n} (largest both ran) = {eager['seconds'] / flash['seconds']:.2f}"
+            )
+    return lines
+
+
+def progress_line(row: dict) -> str:
+    """One line per finished point, for the console."""
+    return (
+        f"  {row['backend']:9s} {row['order']:6s} ckpt={int(row['checkpoint'])} k={row['k']} "
+        f"N={row['n']:7d}  "
+        f"{row['status']:8s} peak={cell(row['peak_gib'])} saved={cell(row['saved_gib'], '.3f')} "
+        f"predicted={row['predicted_gib']:.3f} GiB  t={cell(row['seconds'], '.3f')} s  {row['error']}"
+    )
+
+
+def cell(value, spec: str = ".2f") -> str:
+    """A table cell: "-" for None, floats formatted with `spec`."""
+    if value is None or value == "":
+        return "-"
+    return format(value, spec) if isinstance(value, float) else str(value)
+
+
+def markdown(rows: list[dict], env: dict) -> str:
+    """Environment line, headline bullets, then one table row per point."""
+    out = [
+        f"Device: {env['device']} ({env['device_memory_gib'] or '-'} GiB); torch {env['torch']}, triton "
+        f"{env['triton']}, CUDA {env['cuda']}; commit {env['commit']}; {env['utc']} UTC",
+        f"Command: `{env['command']}`",
+        "",
+        *headline(rows),
+        "",
+        "| backend | order | ckpt | k | N | status | peak GiB | saved GiB | predicted GiB | "
+        "saved KiB/token | time s | first call s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        per_token = None if r["saved_gib"] is None else r["saved_gib"] * 2**20 / r["n"]
+        out.append(
+            f"| {r['backend']} | {r['order']} | {'on' if r['checkpoint'] else 'off'} | {r['k']} | {r['n']} | "
+            f"{r['status']} | {cell(r['peak_gib'])} | {cell(r['saved_gib'], '.3f')} | "
+            f"{cell(r['predicted_gib'], '.3f')} | {cell(per_token, '.1f')} | {cell(r['seconds'], '.3f')} | "
+            f"{cell(r['first_call_s'], '.2f')} |"
+        )
+    return "\n".join(out) + "\n"
+
+
+def plot(rows: list[dict], out_dir: Path) -> list[Path]:
+    """memory_vs_n.png, time_vs_n.png (second order, no checkpointing, one line per backend and k; an x
+    marks the first OOM) and memory_vs_k.png (at each N of the rows that vary k). Returns the paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    base = [r for r in rows if r["order"] == "second" and not r["checkpoint"]]
+    label = (
+        "GiB (allocator peak)" if any(r["peak_gib"] is not None for r in rows) else "GiB (saved for backward)"
+    )
+    paths = []
+    for name, value, ylabel in (
+        ("memory_vs_n", _memory, label),
+        ("time_vs_n", lambda r: r["seconds"], "seconds"),
+    ):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for backend, k in sorted({(r["backend"], r["k"]) for r in base}):
+            same = sorted((r for r in base if (r["backend"], r["k"]) == (backend, k)), key=lambda r: r["n"])
+            pts = [(r["n"], value(r)) for r in same if r["status"] == "ok" and value(r) is not None]
+            style = dict(color=BACKEND_STYLE.get(backend), marker=K_MARKERS.get(k, "*"))
+            if pts:
+                ax.plot(*zip(*pts), label=f"{backend}, k={k}", **style)
+            oom = [r["n"] for r in same if r["status"] == "oom"]
+            if oom and pts:
+                ax.plot(
+                    [min(oom)], [pts[-1][1]], marker="x", markersize=10, color=style["color"], linestyle=""
+                )
+            if name == "memory_vs_n":
+                pred = [
+                    (r["n"], r["predicted_gib"])
+                    for r in same
+                    if r["predicted_gib"] is not None
+                    and (r["status"] == "ok" or r["n"] == min(oom, default=None))
+                ]
+                if pred:
+                    ax.plot(*zip(*pred), color=style["color"], linestyle=":", linewidth=1, alpha=0.6)
+        ax.set(
+            xscale="log",
+            yscale="log",
+            xlabel="N (tokens)",
+            ylabel=ylabel,
+            title="second order, no checkpointing"
+            + (" (x: first OOM; dotted: model)" if name == "memory_vs_n" else ""),
+        )
+        ax.grid(True, which="both", alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        paths.append(out_dir / f"{name}.png")
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for backend, n, order, ckpt in sorted(
+        {(r["backend"], r["n"], r["order"], r["checkpoint"]) for r in rows}
+    ):
+        pts = sorted(
+            (r["k"], _memory(r)) for r in _ok(rows, backend=backend, n=n, order=order, checkpoint=ckpt)
+        )
+        if len(pts) >= 3:
+            ax.plot(
+                *zip(*pts),
+                marker="o",
+                color=BACKEND_STYLE.get(backend),
+                linestyle="--" if ckpt else "-",
+                label=f"{backend}, N={n}, {order}{', ckpt' if ckpt else ''}",
+            )
+    ax.set(xlabel="inner steps k", ylabel=label, title="memory vs k (dashed: checkpointed inner steps)")
+    ax.grid(True, alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(out_dir / "memory_vs_k.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    return paths

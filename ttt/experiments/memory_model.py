@@ -1,0 +1,168 @@
+"""Back-of-envelope memory model of one meta step: bytes autograd keeps for backward, per token.
+
+Counted from the model's code (every tensor some node saves, each storage once), for a
+`Transformer` whose MLPs are the adapted parameters, with n_kv_heads == n_heads. Symbols: d model
+width, w = n_heads * head_dim, f MLP hidden width, H heads, V vocabulary, e bytes per element of
+the model dtype, a bytes per element of SDPA-math's internal dtype (4: it upcasts bf16/fp16 to
+float32). RMSNorm computes in float32 (4-byte terms). Per token and per layer:
+
+    forward graph A           linear part                                      + N x (per token)
+      flashbob                16d + 8 + 4e f + 6e w ... see _forward_linear     0
+      eager                   ...                                               e H + 1 (P, mask)
+      sdpa_math               ...                                               a H     (P)
+    inner-backward graph B    (second order only: the graph of the inner gradient)
+      flashbob                2(e d + 12d + 8) + e d + 8e f + 6e w              0
+      eager                   ... + 5e w                                        2e H (dP, dS)
+      sdpa_math               ... + 4e w + a w                                  2a H
+
+The first layer's attention is not on the inner gradient's path (nothing before it is adapted): its
+B is the MLP part only. The head (final norm, logits, loss) adds a fixed amount per token.
+A second-order step with k inner steps keeps k x (A + B over all layers + head) plus the outer
+forward graph; first order keeps one forward graph at a time; with checkpointing the largest set
+alive is one recomputed inner step (the outer forward graph is released by then).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ttt.models import Transformer
+
+SDPA_MATH_BYTES = 4
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The sizes the model needs, read off a built `Transformer`."""
+
+    d: int
+    """Model width."""
+    w: int
+    """n_heads * head_dim."""
+    f: int
+    """MLP hidden width."""
+    heads: int
+    """Query heads."""
+    vocab: int
+    """Vocabulary size."""
+    layers: int
+    """Transformer blocks."""
+    head_dim: int
+    """Width of one head (the float32 RoPE tables are N x head_dim each)."""
+    weight_bytes: int
+    """Bytes of the parameters other than the embedding (the linear layers save their weights)."""
+    adapted_bytes: int
+    """Bytes of the adapted parameters (each second-order inner step makes and keeps a new copy)."""
+
+    @classmethod
+    def of(cls, model: Transformer, adapted: list[str]) -> ModelDims:
+        """Dims of `model` (from its weight shapes); `adapted`: names of the adapted parameters."""
+        block = model.layers[0]
+        nbytes = {name: p.numel() * p.element_size() for name, p in model.named_parameters()}
+        return cls(
+            d=model.embed.weight.shape[1],
+            w=block.attn.wq.weight.shape[0],
+            f=block.mlp.w_gate.weight.shape[0],
+            heads=model.cfg.n_heads,
+            vocab=model.embed.weight.shape[0],
+            layers=len(model.layers),
+            head_dim=block.attn.wq.weight.shape[0] // model.cfg.n_heads,
+            weight_bytes=sum(b for name, b in nbytes.items() if not name.startswith("embed.")),
+            adapted_bytes=sum(nbytes[name] for name in adapted),
+        )
+
+
+@dataclass(frozen=True)
+class TokenBytes:
+    """Bytes per token of one graph: linear + quadratic * N (N = sequence length)."""
+
+    linear: float
+    quadratic: float = 0.0
+
+    def at(self, n: int) -> float:
+        """Bytes per token at sequence length n."""
+        return self.linear + self.quadratic * n
+
+    def __add__(self, other: TokenBytes) -> TokenBytes:
+        return TokenBytes(self.linear + other.linear, self.quadratic + other.quadratic)
+
+    def __mul__(self, factor: float) -> TokenBytes:
+        return TokenBytes(self.linear * factor, self.quadratic * factor)
+
+    __rmul__ = __mul__
+
+
+def _norm_forward(d: int, e: int) -> float:
+    """RMSNorm: float32 input copy (x itself when e == 4), rsqrt, normed in e, output in e."""
+    return 4 * d + 2 * e * d + 4
+
+
+def _norm_backward(d: int, e: int) -> float:
+    """Grad of the norm output (e), three float32 d-wide terms of its backward, two float32 scalars."""
+    return e * d + 12 * d + 8
+
+
+def forward_graph(dims: ModelDims, backend: str, e: int) -> TokenBytes:
+    """Bytes per token saved by the forward of one transformer block (layer)."""
+    d, w, f, h = dims.d, dims.w, dims.f, dims.heads
+    common = 2 * _norm_forward(d, e) + 4 * e * f
+    if backend == "flashbob":
+        return TokenBytes(common + 5 * e * w + 4 * h)
+    if backend == "eager":
+        return TokenBytes(common + 4 * e * w, e * h + 1)
+    if backend == "sdpa_math":
+        return TokenBytes(common + 3 * SDPA_MATH_BYTES * w + e * w, SDPA_MATH_BYTES * h)
+    raise ValueError(f"unknown attention backend {backend!r}")
+
+
+def backward_graph(dims: ModelDims, backend: str, e: int, *, attention: bool = True) -> TokenBytes:
+    """Bytes per token saved by the create_graph backward of one block; attention=False: MLP part only."""
+    d, w, f, h = dims.d, dims.w, dims.f, dims.heads
+    mlp = e * d + 8 * e * f
+    if not attention:
+        return TokenBytes(mlp)
+    common = mlp + 2 * _norm_backward(d, e)
+    if backend == "flashbob":
+        return TokenBytes(common + 6 * e * w)
+    if backend == "eager":
+        return TokenBytes(common + 5 * e * w, 2 * e * h)
+    if backend == "sdpa_math":
+        return TokenBytes(common + 4 * e * w + SDPA_MATH_BYTES * w, 2 * SDPA_MATH_BYTES * h)
+    raise ValueError(f"unknown attention backend {backend!r}")
+
+
+def head_graphs(dims: ModelDims, e: int) -> tuple[TokenBytes, TokenBytes]:
+    """(forward, backward) bytes per token of the final norm, the float32 logits, the loss and the tokens."""
+    d, v = dims.d, dims.vocab
+    return TokenBytes(_norm_forward(d, e) + 4 * v + 16), TokenBytes(_norm_backward(d, e) + 8 * v)
+
+
+def inner_step_graph(dims: ModelDims, backend: str, e: int) -> TokenBytes:
+    """Bytes per token one second-order inner step keeps: its forward and its gradient's graph."""
+    head_fwd, head_bwd = head_graphs(dims, e)
+    layers = dims.layers * forward_graph(dims, backend, e) + (dims.layers - 1) * backward_graph(
+        dims, backend, e
+    )
+    return layers + backward_graph(dims, backend, e, attention=False) + head_fwd + head_bwd
+
+
+def outer_graph(dims: ModelDims, backend: str, e: int) -> TokenBytes:
+    """Bytes per token of the outer forward (one forward graph of the whole model)."""
+    return dims.layers * forward_graph(dims, backend, e) + head_graphs(dims, e)[0]
+
+
+def predicted_bytes(
+    dims: ModelDims, backend: str, e: int, *, n: int, k: int, order: str, checkpoint: bool
+) -> float:
+    """Predicted peak bytes of tensors saved for backward during one meta step at sequence length n.
+
+    Second order: k inner-step graphs (each with its new copy of the adapted weights) plus the outer
+    forward graph (checkpointing: the larger of one inner step and the outer graph). First order: one
+    forward graph (the inner gradients are not kept). Both: the saved weights and the RoPE tables.
+    """
+    fixed = dims.weight_bytes + n * 8 * dims.head_dim
+    outer = n * outer_graph(dims, backend, e).at(n)
+    if order == "first":
+        return fixed + outer
+    step = dims.adapted_bytes + n * inner_step_graph(dims, backend, e).at(n)
+    return fixed + (max(step, outer) if checkpoint else k * step + outer)

@@ -1,0 +1,179 @@
+"""One sweep point of the gradient-memory experiment: build the model, run one full meta step, measure it.
+
+A full meta step is what training repeats: k inner steps on the inner sequence (second order: with
+create_graph), the outer loss on the outer sequence with the adapted weights, and the outer backward
+into every parameter of the model (`ttt.inner.meta_step` with one task). Measured per point:
+    seconds       wall time of the step, CUDA synchronised before and after
+    first_call_s  the same for the very first step of a (backend, order) pair: compilation included
+    peak_gib      torch.cuda.max_memory_allocated during the step (reset just before), nothing
+                  subtracted; parameters, gradients and tokens are in it (params_gib says how much)
+    saved_gib     peak bytes saved for backward (`SavedTensorMeter`), on any device
+A failure never propagates: out-of-memory gives status "oom", the time limit "timeout", anything else
+"error"; memory is released either way, so the sweep can go on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from ttt.inner import InnerLoop, InnerLoopConfig, meta_step, select_parameters
+from ttt.models import Transformer, TransformerConfig
+
+from .next_token import NextTokenObjective, random_task
+from .saved_bytes import SavedTensorMeter
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Point:
+    """One measurement of the sweep."""
+
+    backend: str
+    """Attention backend: flashbob, eager or sdpa_math."""
+    n: int
+    """Sequence length (tokens) of the inner and of the outer sequence."""
+    k: int
+    """Inner steps."""
+    order: str
+    """"second" (differentiate through the inner gradients) or "first" (first-order MAML)."""
+    checkpoint: bool
+    """Recompute each inner step in the outer backward instead of storing it."""
+
+
+@dataclass
+class ProbeSetup:
+    """What stays fixed over the sweep."""
+
+    model: TransformerConfig
+    """The transformer; its `attention` field is replaced by each point's backend."""
+    adapted: list[str]
+    """Glob patterns of the adapted (inner-loop) parameters."""
+    inner_lr: float
+    """Inner SGD learning rate."""
+    device: torch.device
+    """Where the step runs."""
+    dtype: torch.dtype
+    """Parameter (and so activation) dtype."""
+    seed: int
+    """Seed of the weights and of the tokens."""
+
+
+class PointTimeout(Exception):
+    """Raised inside a step that ran past its time limit."""
+
+
+@contextmanager
+def time_limit(seconds: float | None) -> Iterator[None]:
+    """Raise PointTimeout in the block after `seconds` (SIGALRM; main thread only, else no limit).
+
+    A running CUDA kernel is not interrupted: the exception comes at the next Python bytecode.
+    """
+    if not seconds or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum, frame):
+        raise PointTimeout(f"over the time limit of {seconds:g} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """True for torch's OutOfMemoryError and for the RuntimeErrors some libraries raise instead."""
+    return isinstance(err, torch.OutOfMemoryError) or (
+        isinstance(err, RuntimeError) and "out of memory" in str(err).lower()
+    )
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _release(device: torch.device, *, collect: bool) -> None:
+    """Free what a step left: cached CUDA blocks, and (collect=True, after a failure) whatever the
+    exception's frames kept alive. A finished step's graph is freed by reference counting alone."""
+    if collect:
+        gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def _timed_step(model: Transformer, inner: InnerLoop, params: dict, task: dict, device) -> float:
+    model.zero_grad(set_to_none=True)
+    _sync(device)
+    start = time.perf_counter()
+    meta_step(NextTokenObjective(model), inner, params, [task])
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def _measure(setup: ProbeSetup, point: Point, warmup: bool) -> dict:
+    torch.manual_seed(setup.seed)
+    cfg = dataclasses.replace(setup.model, attention=point.backend)
+    model = Transformer(cfg).to(device=setup.device, dtype=setup.dtype)
+    params = select_parameters(model, setup.adapted)
+    inner_cfg = InnerLoopConfig(
+        params=list(setup.adapted),
+        steps=point.k,
+        lr=setup.inner_lr,
+        first_order=point.order == "first",
+        checkpoint=point.checkpoint,
+    )
+    inner = InnerLoop(params, inner_cfg).to(setup.device)
+    task = random_task(point.n, cfg.vocab_size, setup.device, setup.seed)
+    row = {"params_gib": sum(p.numel() * p.element_size() for p in model.parameters()) / GIB}
+    if warmup:
+        row["first_call_s"] = _timed_step(model, inner, params, task, setup.device)
+    model.zero_grad(set_to_none=True)
+    _release(setup.device, collect=False)
+    if setup.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(setup.device)
+    with SavedTensorMeter() as meter:
+        row["seconds"] = _timed_step(model, inner, params, task, setup.device)
+    row["saved_gib"] = meter.peak_bytes / GIB
+    if setup.device.type == "cuda":
+        row["peak_gib"] = torch.cuda.max_memory_allocated(setup.device) / GIB
+    return row
+
+
+def measure(setup: ProbeSetup, point: Point, *, warmup: bool, time_limit_s: float | None) -> dict:
+    """Run and measure one meta step at `point` (twice when `warmup`: the first call is timed alone).
+
+    Returns {"status": ok | oom | timeout | error, "error": message or "", "seconds", "first_call_s",
+    "peak_gib", "saved_gib", "params_gib"}; the measured values are None where not measured (peak_gib
+    off CUDA, everything but status after a failure).
+    """
+    row = dict.fromkeys(("seconds", "first_call_s", "peak_gib", "saved_gib", "params_gib"))
+    status, error = "ok", ""
+    try:
+        with time_limit(time_limit_s):
+            row.update(_measure(setup, point, warmup))
+    except PointTimeout as err:
+        status, error = "timeout", str(err)
+    except Exception as err:
+        if is_out_of_memory(err):
+            status, error = "oom", ""
+        elif "over the time limit" in str(err):
+            status, error = "timeout", str(err).splitlines()[0]
+        else:
+            status, error = "error", f"{type(err).__name__}: {err}"
+    _release(setup.device, collect=status != "ok")
+    return {**row, "status": status, "error": error}

@@ -1,0 +1,67 @@
+"""`SavedTensorMeter`: live and peak bytes of the tensors autograd keeps for backward, on any device.
+
+Every tensor an autograd node saves (`ctx.save_for_backward`, the inputs of a matmul, ...) passes
+through a pack hook; the meter counts each storage once while any node still holds it, so the peak
+is the activation memory of a meta step as the back-of-envelope model counts it: no allocator
+slack, no transient buffers, no gradients. Inside `torch.utils.checkpoint` regions the checkpoint's
+own hooks take over, so recomputed activations are (correctly) not counted there.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+
+class _Held:
+    """What the graph stores instead of a saved tensor; its death tells the meter the node let go."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+
+class SavedTensorMeter:
+    """Context manager: `with SavedTensorMeter() as meter: ...; meter.peak_bytes`.
+
+    live_bytes: bytes of distinct storages currently saved for backward.
+    peak_bytes: maximum of live_bytes since entering.
+    """
+
+    def __init__(self):
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self._holders: dict[tuple, int] = {}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, tensor: torch.Tensor) -> _Held:
+        storage = tensor.untyped_storage()
+        key = (tensor.device, storage.data_ptr())
+        if self._holders.get(key, 0) == 0:
+            self.live_bytes += storage.nbytes()
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        self._holders[key] = self._holders.get(key, 0) + 1
+        # A detached alias: holding the tensor itself would make a node that saves its own output
+        # reference itself through its grad_fn, a cycle that keeps the graph alive.
+        held = _Held(tensor.detach())
+        weakref.finalize(held, self._release, key, storage.nbytes())
+        return held
+
+    @staticmethod
+    def _unpack(held: _Held) -> torch.Tensor:
+        return held.tensor
+
+    def _release(self, key: tuple, nbytes: int) -> None:
+        self._holders[key] -= 1
+        if self._holders[key] == 0:
+            del self._holders[key]
+            self.live_bytes -= nbytes
+
+    def __enter__(self) -> SavedTensorMeter:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
