@@ -70,16 +70,18 @@ class TTTLanguageLearner(pl.LightningModule):
         """Inner learning-rate warm-up factor at the current outer step."""
         return self.model.ttt_cfg.lr_scale(self.global_step)
 
-    def read(self, tokens: torch.Tensor, adapt: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Evaluation reading of one sequence (1, N): (logits (1, N, V), losses (N - 1,)), detached.
-        adapt=True adapts only when ttt.enabled."""
+    def read(
+        self, tokens: torch.Tensor, adapt: bool, keep_logits: bool = True
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Evaluation reading of one sequence (1, N): (logits (1, N, V), or None without keep_logits,
+        losses (N - 1,)), detached. adapt=True adapts only when ttt.enabled."""
         with torch.enable_grad():
             return self.model.read(
                 tokens,
                 adapt=adapt and self.model.ttt_cfg.enabled,
                 lr_scale=self.inner_lr_scale(),
                 outer_grad=False,
-                keep_logits=True,
+                keep_logits=keep_logits,
             )
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
@@ -110,7 +112,7 @@ class TTTLanguageLearner(pl.LightningModule):
         """Per-position losses (B, N - 1) of a held-out batch, with ("adapted") and without TTT."""
         sequences = self.split_tasks(batch)
         return {
-            mode: torch.stack([self.read(seq["tokens"], adapt)[1] for seq in sequences])
+            mode: torch.stack([self.read(seq["tokens"], adapt, keep_logits=False)[1] for seq in sequences])
             for mode, adapt in MODES.items()
         }
 
