@@ -2,8 +2,12 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+import kernels
 from kernels.reference import attention_naive
+from ttt.inner import InnerLoop, InnerLoopConfig, functional_forward, select_parameters
+from ttt.models import Transformer, TransformerConfig
 from ttt.models.attention import ATTENTION_BACKENDS, attention
 
 CASES = [
@@ -46,3 +50,39 @@ def test_unknown_backend_names_the_choices():
     q = torch.randn(1, 1, 4, 8)
     with pytest.raises(ValueError, match="flashbob"):
         attention(q, q, q, backend="flash")
+
+
+def test_flashbob_triton_kernels_give_the_inner_loop_the_same_second_order_gradient(monkeypatch):
+    """Adapting layer 0's MLP puts layer 1's attention inside the inner gradient, so the outer
+    gradient runs backward-over-backward through it: on the Triton kernels (CPU interpreter here)
+    it must equal plain PyTorch."""
+    torch.manual_seed(0)
+    cfg = TransformerConfig(
+        vocab_size=40, d_model=32, n_heads=2, n_kv_heads=1, window=6, attention="flashbob"
+    )
+    model = Transformer(cfg)
+    tokens = torch.randint(0, 40, (1, 16))
+
+    def inner(params, step):
+        return F.cross_entropy(functional_forward(model, params, tokens[:, :10])[0, :-1], tokens[0, 1:10])
+
+    def outer_gradient():
+        params = select_parameters(model, ["layers.0.mlp.*"])
+        loop = InnerLoop(params, InnerLoopConfig(params=["layers.0.mlp.*"], steps=2, lr=0.5))
+        adapted = loop.adapt(inner, params).params
+        outer = F.cross_entropy(functional_forward(model, adapted, tokens)[0, :-1], tokens[0, 1:])
+        return torch.autograd.grad(outer, list(model.parameters()))
+
+    reference = outer_gradient()
+    flash_attention = kernels.flash_attention
+    calls = []
+
+    def triton_only(*args, backend, **kwargs):
+        calls.append(backend)
+        return flash_attention(*args, backend="triton", **kwargs)
+
+    monkeypatch.setattr(kernels, "flash_attention", triton_only)
+    got = outer_gradient()
+    assert calls and set(calls) == {"auto"}
+    for g, r in zip(got, reference):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6)

@@ -116,3 +116,4 @@ def test_summary_file_and_table(tmp_path):
     assert "peak_memory_gib  -" in table
     atomic_write_text(tmp_path / "note.txt", "hello")
     assert (tmp_path / "note.txt").read_text() == "hello"
+    assert (tmp_path / "note.txt").stat().st_mode & 0o777 == 0o644

@@ -76,7 +76,7 @@ class TrainerConfig:
     accelerator: str = "auto"
     """Lightning accelerator: auto, cpu, gpu / cuda."""
     devices: int = 1
-    """Number of devices."""
+    """Number of devices (meta_step is written for one device; several devices are untested)."""
     log_every_n_steps: int = 10
     """Write training metrics every this many outer steps."""
     progress_bar: bool = True

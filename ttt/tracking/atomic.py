@@ -12,6 +12,9 @@ import torch
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+FILE_MODE = 0o644
+"""Mode of the files written here (mkstemp would leave them readable by their owner only)."""
+
 
 def _atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -21,6 +24,7 @@ def _atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
             write(handle)
             handle.flush()
             os.fsync(handle.fileno())
+        os.chmod(tmp, FILE_MODE)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
