@@ -22,10 +22,8 @@ TINY = [
     "k_sweep.ns=[16]",
     "k_sweep.ks=[1,2,3]",
     "k_sweep.checkpoint=[false,true]",
-    "variants.ns=[16]",
-    "variants.ks=[2]",
-    "variants.orders=[first]",
-    "variants.checkpoint=[false,true]",
+    "first_order.ns=[16]",
+    "checkpointed.ns=[16,32]",
 ]
 
 
@@ -42,8 +40,9 @@ def test_cpu_sweep_writes_csv_table_plots_and_environment(tmp_path, capsys):
     assert grad_memory.main([*TINY, f"out={tmp_path}"]) == 0
     with open(tmp_path / "results.csv") as handle:
         rows = list(csv.DictReader(handle))
-    # 3 backends x (n_sweep 2 N x 2 k + k_sweep k=3 and its checkpointed k=1..3 + 2 first-order variants).
-    assert len(rows) == 3 * (4 + 1 + 3 + 2)
+    # 3 backends x (n_sweep's 2 N x 2 k, k_sweep's k=3 and checkpointed k=1..3, first_order,
+    # checkpointed's N=32: the other points repeat earlier ones).
+    assert len(rows) == 3 * (4 + 1 + 3 + 1 + 1)
     assert {row["status"] for row in rows} == {"ok"}
     for row in rows:
         assert float(row["saved_gib"]) > 0 and float(row["predicted_gib"]) > 0 and float(row["seconds"]) > 0
@@ -75,7 +74,7 @@ def test_memory_model_matches_the_saved_bytes(dtype, backend):
 
 
 def test_failed_point_skips_the_larger_points_of_its_series(tmp_path, monkeypatch):
-    def fake_measure(setup, point, *, warmup, time_limit_s):
+    def fake_measure(setup, point, **limits):
         status = "oom" if point.backend == "eager" and point.n >= 32 and point.k >= 2 else "ok"
         return {"status": status, "seconds": 0.1 if status == "ok" else None}
 
@@ -86,7 +85,8 @@ def test_failed_point_skips_the_larger_points_of_its_series(tmp_path, monkeypatc
             "n_sweep.ns=[16,32,64]",
             "n_sweep.ks=[1,2,4]",
             "k_sweep.ns=[]",
-            "variants.ns=[]",
+            "first_order.ns=[]",
+            "checkpointed.ns=[]",
             f"out={tmp_path}",
         ],
         cuda_available=False,

@@ -25,7 +25,7 @@ from ttt.models import Transformer, TransformerConfig
 
 from . import grad_memory_report as report
 from .environment import describe
-from .grad_memory_config import GradMemoryConfig, Sweep, load
+from .grad_memory_config import SWEEPS, GradMemoryConfig, load
 from .memory_model import ModelDims, predicted_bytes
 from .meta_step_probe import GIB, Point, ProbeSetup, measure
 
@@ -33,11 +33,10 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def sweep_points(cfg: GradMemoryConfig) -> list[Point]:
-    """The points of n_sweep, k_sweep and variants in that order, without repeats; within a sweep, per
-    backend, order and checkpointing, N then k ascending (so a failure can skip what follows)."""
+    """The points of the sweeps in SWEEPS order, without repeats; within a sweep, per backend, order and
+    checkpointing, N then k ascending (so that a failure can skip what follows)."""
     points: dict[Point, None] = {}
-    sweeps: list[Sweep] = [cfg.n_sweep, cfg.k_sweep, cfg.variants]
-    for sweep in sweeps:
+    for sweep in (getattr(cfg, name) for name in SWEEPS):
         for backend in cfg.backends:
             for order in sweep.orders:
                 for ckpt in sweep.checkpoint:
@@ -97,16 +96,6 @@ def executed_backend(backend: str, device: torch.device) -> str:
     return "eager" if backend == "flashbob" and device.type != "cuda" else backend
 
 
-def run_point(cfg: GradMemoryConfig, setup: ProbeSetup, point: Point, *, left_s: float, warmup: bool) -> dict:
-    """`measure` the point within min(point_time_limit_s, left_s); a timeout caused by the sweep's budget
-    (not by the point's own limit) becomes status "stopped (budget)"."""
-    limit = left_s if cfg.point_time_limit_s is None else min(left_s, cfg.point_time_limit_s)
-    row = measure(setup, point, warmup=warmup, time_limit_s=limit)
-    if row["status"] == "timeout" and limit < (cfg.point_time_limit_s or float("inf")):
-        row["status"] = "stopped (budget)"
-    return row
-
-
 def run(cfg: GradMemoryConfig) -> list[dict]:
     """Measure every point of `cfg`, writing the outputs under cfg.out as it goes; returns the rows."""
     setup = resolve(cfg)
@@ -130,11 +119,11 @@ def run(cfg: GradMemoryConfig) -> list[dict]:
         elif left_s <= 0:
             row["status"] = "skipped (budget)"
         else:
-            row.update(
-                run_point(cfg, setup, point, left_s=left_s, warmup=(point.backend, point.order) not in warmed)
-            )
+            limit = left_s if cfg.point_time_limit_s is None else min(left_s, cfg.point_time_limit_s)
+            warmup = (point.backend, point.order) not in warmed
+            row.update(measure(setup, point, time_limit_s=limit, warmup=warmup, warmup_limit_s=left_s))
             warmed.add((point.backend, point.order))
-            if row["status"] not in ("ok", "stopped (budget)"):
+            if row["status"] != "ok":
                 failed[point] = row["status"]
         rows.append(row)
         print(report.progress_line(row), flush=True)

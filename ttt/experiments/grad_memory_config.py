@@ -15,6 +15,7 @@ from omegaconf.errors import OmegaConfBaseException
 from ttt.models import ATTENTION_BACKENDS
 
 ORDERS = ("first", "second")
+SWEEPS = ("n_sweep", "k_sweep", "first_order", "checkpointed")
 DTYPES = ("auto", "bf16", "fp16", "fp32")
 
 
@@ -34,7 +35,7 @@ class Sweep:
 
 @dataclass
 class GradMemoryConfig:
-    """The experiment: model, inner loop, the three grids, limits and where the results go."""
+    """The experiment: model, inner loop, the four grids, limits and where the results go."""
 
     preset: str = "auto"
     """gpu (the defaults below), cpu (a tiny run), or auto: gpu when CUDA is available, else cpu."""
@@ -61,22 +62,24 @@ class GradMemoryConfig:
     backends: list[str] = field(default_factory=lambda: list(ATTENTION_BACKENDS))
     """Attention backends to measure."""
     n_sweep: Sweep = field(
-        default_factory=lambda: Sweep(ns=[1024, 4096, 16384, 32768, 65536, 131072, 262144], ks=[1, 2])
+        default_factory=lambda: Sweep(ns=[1024, 4096, 16384, 32768, 65536, 131072, 262144, 524288], ks=[1, 2])
     )
     """Memory and time against N."""
     k_sweep: Sweep = field(
-        default_factory=lambda: Sweep(ns=[16384], ks=[1, 2, 4, 8], checkpoint=[False, True])
+        default_factory=lambda: Sweep(ns=[16384, 131072], ks=[1, 2, 4, 8], checkpoint=[False, True])
     )
     """Memory and time against k."""
-    variants: Sweep = field(
-        default_factory=lambda: Sweep(
-            ns=[16384, 65536], ks=[2], orders=["first", "second"], checkpoint=[False, True]
-        )
+    first_order: Sweep = field(
+        default_factory=lambda: Sweep(ns=[16384, 262144, 524288], ks=[2], orders=["first"])
     )
-    """First- vs second-order and checkpointing at a few N."""
+    """First-order MAML at a few N."""
+    checkpointed: Sweep = field(
+        default_factory=lambda: Sweep(ns=[16384, 65536, 262144, 524288], ks=[2], checkpoint=[True])
+    )
+    """Checkpointed inner steps at a few N (beyond where the stored graphs fit)."""
     point_time_limit_s: float | None = 120.0
     """Give up on a point after this many seconds (null: no limit); larger N are then skipped."""
-    max_minutes: float = 5.5
+    max_minutes: float = 5.0
     """Budget of the whole sweep: points that would start later are skipped."""
     seed: int = 0
     """Seed of the weights and tokens."""
@@ -94,7 +97,7 @@ class GradMemoryConfig:
         for backend in self.backends:
             if backend not in ATTENTION_BACKENDS:
                 raise ValueError(f"backends: each must be one of {ATTENTION_BACKENDS}, got {backend!r}")
-        for name in ("n_sweep", "k_sweep", "variants"):
+        for name in SWEEPS:
             sweep = getattr(self, name)
             if any(n < 2 for n in sweep.ns) or any(k < 1 for k in sweep.ks):
                 raise ValueError(f"{name}: ns must be >= 2 and ks >= 1, got {sweep.ns} and {sweep.ks}")
@@ -114,7 +117,8 @@ PRESETS = {
         "head_dim": 16,
         "n_sweep": {"ns": [32, 64, 128], "ks": [1, 2]},
         "k_sweep": {"ns": [64], "ks": [1, 2, 4], "checkpoint": [False, True]},
-        "variants": {"ns": [64], "ks": [2], "orders": ["first", "second"], "checkpoint": [False, True]},
+        "first_order": {"ns": [64, 128], "ks": [2], "orders": ["first"]},
+        "checkpointed": {"ns": [64, 128], "ks": [2], "checkpoint": [True]},
         "point_time_limit_s": 60.0,
         "max_minutes": 3.0,
         "cpu_threads": 1,

@@ -1,25 +1,27 @@
-"""Back-of-envelope memory model of one meta step: bytes autograd keeps for backward, per token.
+"""Back-of-envelope memory model of one meta step: the bytes autograd keeps for backward, per token.
 
-Counted from the model's code (every tensor some node saves, each storage once), for a
-`Transformer` whose MLPs are the adapted parameters, with n_kv_heads == n_heads. Symbols: d model
-width, w = n_heads * head_dim, f MLP hidden width, H heads, V vocabulary, e bytes per element of
-the model dtype, a bytes per element of SDPA-math's internal dtype (4: it upcasts bf16/fp16 to
-float32). RMSNorm computes in float32 (4-byte terms). Per token and per layer:
+Counted from the model's code (every tensor some autograd node saves, each storage once) for a
+`Transformer` whose MLPs are the adapted parameters, with n_kv_heads == n_heads; checked against
+`SavedTensorMeter` by the tests (within 3%; exact in float32). Symbols: d model width, w = n_heads *
+head_dim, f MLP hidden width, H heads, V vocabulary, N sequence length, e bytes per element of the
+model dtype (2 for bf16), a = 4 bytes per element inside SDPA's math backend (it upcasts bf16/fp16 to
+float32). RMSNorm computes in float32, hence its 4-byte terms. Bytes per token, per block:
 
-    forward graph A           linear part                                      + N x (per token)
-      flashbob                16d + 8 + 4e f + 6e w ... see _forward_linear     0
-      eager                   ...                                               e H + 1 (P, mask)
-      sdpa_math               ...                                               a H     (P)
-    inner-backward graph B    (second order only: the graph of the inner gradient)
-      flashbob                2(e d + 12d + 8) + e d + 8e f + 6e w              0
-      eager                   ... + 5e w                                        2e H (dP, dS)
-      sdpa_math               ... + 4e w + a w                                  2a H
+  forward graph A:
+    norms 2(4d + 2e d + 4) + MLP 4e f + attention:
+      flashbob    5e w + 4H                  q, k, v, out, the wo input; float32 log-sum-exp
+      eager       4e w + N (e H + 1)         q, k, v, the wo input; P (N x N per head) and the mask
+      sdpa_math   3a w + e w + N a H         float32 q, k, v, the wo input; P in float32
+  graph of the inner gradient B (create_graph, second order only):
+    residual grad e d + SwiGLU backward 8e f + norms 2(e d + 12d + 8) + attention:
+      flashbob    6e w                       grads of the wo input, dO, dQ, grads into wq, wk, wv
+      eager       5e w + N 2e H              dP and dS
+      sdpa_math   4e w + a w + N 2a H
 
-The first layer's attention is not on the inner gradient's path (nothing before it is adapted): its
-B is the MLP part only. The head (final norm, logits, loss) adds a fixed amount per token.
-A second-order step with k inner steps keeps k x (A + B over all layers + head) plus the outer
-forward graph; first order keeps one forward graph at a time; with checkpointing the largest set
-alive is one recomputed inner step (the outer forward graph is released by then).
+The first block's attention is not on the inner gradient's path (nothing before it is adapted): its
+B is e d + 8e f. The head adds 4d + 2e d + 4 + 4V + 16 (forward: final norm, float32 logits, tokens)
+and e d + 12d + 8 + 8V (inner gradient). Fixed: the weights the linear layers save, the float32 RoPE
+tables (8 head_dim per token), and one new copy of the adapted weights per second-order inner step.
 """
 
 from __future__ import annotations

@@ -125,7 +125,7 @@ def _timed_step(model: Transformer, inner: InnerLoop, params: dict, task: dict, 
     return time.perf_counter() - start
 
 
-def _measure(setup: ProbeSetup, point: Point, warmup: bool) -> dict:
+def _measure(setup: ProbeSetup, point: Point, warmup: bool, warmup_limit_s, limit_s) -> dict:
     torch.manual_seed(setup.seed)
     cfg = dataclasses.replace(setup.model, attention=point.backend)
     model = Transformer(cfg).to(device=setup.device, dtype=setup.dtype)
@@ -141,12 +141,13 @@ def _measure(setup: ProbeSetup, point: Point, warmup: bool) -> dict:
     task = random_task(point.n, cfg.vocab_size, setup.device, setup.seed)
     row = {"params_gib": sum(p.numel() * p.element_size() for p in model.parameters()) / GIB}
     if warmup:
-        row["first_call_s"] = _timed_step(model, inner, params, task, setup.device)
+        with time_limit(warmup_limit_s):
+            row["first_call_s"] = _timed_step(model, inner, params, task, setup.device)
     model.zero_grad(set_to_none=True)
     _release(setup.device, collect=False)
     if setup.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(setup.device)
-    with SavedTensorMeter() as meter:
+    with time_limit(limit_s), SavedTensorMeter() as meter:
         row["seconds"] = _timed_step(model, inner, params, task, setup.device)
     row["saved_gib"] = meter.peak_bytes / GIB
     if setup.device.type == "cuda":
@@ -154,8 +155,16 @@ def _measure(setup: ProbeSetup, point: Point, warmup: bool) -> dict:
     return row
 
 
-def measure(setup: ProbeSetup, point: Point, *, warmup: bool, time_limit_s: float | None) -> dict:
-    """Run and measure one meta step at `point` (twice when `warmup`: the first call is timed alone).
+def measure(
+    setup: ProbeSetup,
+    point: Point,
+    *,
+    time_limit_s: float | None,
+    warmup: bool = False,
+    warmup_limit_s: float | None = None,
+) -> dict:
+    """Run and measure one meta step at `point` within time_limit_s (None: no limit). With `warmup`,
+    a first step (compilation included) is timed alone before, within warmup_limit_s (None: no limit).
 
     Returns {"status": ok | oom | timeout | error, "error": message or "", "seconds", "first_call_s",
     "peak_gib", "saved_gib", "params_gib"}; the measured values are None where not measured (peak_gib
@@ -164,8 +173,7 @@ def measure(setup: ProbeSetup, point: Point, *, warmup: bool, time_limit_s: floa
     row = dict.fromkeys(("seconds", "first_call_s", "peak_gib", "saved_gib", "params_gib"))
     status, error = "ok", ""
     try:
-        with time_limit(time_limit_s):
-            row.update(_measure(setup, point, warmup))
+        row.update(_measure(setup, point, warmup, warmup_limit_s, time_limit_s))
     except PointTimeout as err:
         status, error = "timeout", str(err)
     except Exception as err:
