@@ -174,3 +174,26 @@ def test_logits_match_transformers(family, tmp_path):
         expected = hf_model.to(device)(TOKENS.to(device)).logits
         got = ours(TOKENS.to(device))
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not (HAS_TRANSFORMERS and torch.cuda.is_available()), reason="needs transformers and CUDA"
+)
+def test_logits_match_transformers_at_smollm2_135m_size(tmp_path):
+    """A random model of SmolLM2-135M's shape (30 layers, GQA 9/3, tied), 1024 tokens, FlashBoB on CUDA."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    shape = {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+             "num_attention_heads": 9, "num_key_value_heads": 3, "tie_word_embeddings": True}  # fmt: skip
+    config = tf.LlamaConfig(**shape, rope_theta=100000.0, rms_norm_eps=1e-5, max_position_embeddings=8192)
+    hf_model = tf.LlamaForCausalLM(config).float().eval()
+    path = _save_hf_model(hf_model, tmp_path / "smollm2")
+    tokens = torch.randint(0, 49152, (2, 1024), device="cuda")
+    ours = from_pretrained(path).cuda()
+    with torch.no_grad():
+        expected = hf_model.cuda()(tokens).logits
+        got = ours(tokens)
+    print(f"max |logits - transformers| = {(got - expected).abs().max().item():.3e}")
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
