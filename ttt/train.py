@@ -117,8 +117,9 @@ def run(
     """Build the recipe, fit (or continue from `checkpoint`), test, and write summary.json.
 
     Returns the summary: test figures without their "test/" prefix (query_loss_unadapted,
-    query_loss_adapted, query_acc_* where the task has an accuracy, ...), time_per_outer_step_s,
-    peak_memory_gib (CUDA only, else None), outer_steps, wall_time_s, run_dir.
+    query_loss_adapted, query_acc_* where the task has an accuracy, ...), time_per_outer_step_s
+    (mean after the first step of this session), first_outer_step_s, peak_memory_gib (CUDA only,
+    else None), outer_steps, wall_time_s, run_dir.
     """
     from recipes import load_builder
 
@@ -142,6 +143,7 @@ def run(
         recipe=cfg.recipe,
         outer_steps=trainer.global_step,
         time_per_outer_step_s=timer.time_per_outer_step(),
+        first_outer_step_s=timer.first_outer_step(),
         peak_memory_gib=timer.peak_memory_gib(module.device),
         wall_time_s=time.perf_counter() - start,
         run_dir=str(paths.root),

@@ -37,6 +37,10 @@ class OuterStepTimer(pl.Callback):
         timed = self.durations[self.warmup :] or self.durations
         return sum(timed) / len(timed) if timed else None
 
+    def first_outer_step(self) -> float | None:
+        """Seconds of the first timed outer step (includes one-off costs such as kernel compilation)."""
+        return self.durations[0] if self.durations else None
+
     @staticmethod
     def peak_memory_gib(device: torch.device) -> float | None:
         """Peak allocated CUDA memory since fit start in GiB; None off CUDA."""
