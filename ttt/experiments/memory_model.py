@@ -20,7 +20,7 @@ float32). RMSNorm computes in float32, hence its 4-byte terms. Bytes per token, 
 
 The first block's attention is not on the inner gradient's path (nothing before it is adapted): its
 B is e d + 8e f. The head adds 4d + 2e d + 4 + 4V + 16 (forward: final norm, float32 logits, tokens)
-and e d + 12d + 8 + 8V (inner gradient). Fixed: the weights the linear layers save, the float32 RoPE
+and e d + 12d + 8 + (4 + e)V (inner gradient). Fixed: the weights the linear layers save, the float32 RoPE
 tables (8 head_dim per token), and one new copy of the adapted weights per second-order inner step.
 """
 
@@ -136,7 +136,7 @@ def backward_graph(dims: ModelDims, backend: str, e: int, *, attention: bool = T
 def head_graphs(dims: ModelDims, e: int) -> tuple[TokenBytes, TokenBytes]:
     """(forward, backward) bytes per token of the final norm, the float32 logits, the loss and the tokens."""
     d, v = dims.d, dims.vocab
-    return TokenBytes(_norm_forward(d, e) + 4 * v + 16), TokenBytes(_norm_backward(d, e) + 8 * v)
+    return TokenBytes(_norm_forward(d, e) + 4 * v + 16), TokenBytes(_norm_backward(d, e) + (4 + e) * v)
 
 
 def inner_step_graph(dims: ModelDims, backend: str, e: int) -> TokenBytes:
