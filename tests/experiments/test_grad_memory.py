@@ -7,10 +7,11 @@ import json
 import pytest
 import torch
 
-from ttt.experiments import grad_memory
+from ttt.experiments import grad_memory, grad_memory_report
 from ttt.experiments.grad_memory_config import load
 from ttt.experiments.memory_model import ModelDims, predicted_bytes
-from ttt.experiments.meta_step_probe import Point, ProbeSetup, measure, time_limit
+from ttt.experiments.meta_step_probe import measure, time_limit
+from ttt.experiments.workloads import Point, ProbeSetup
 from ttt.inner import select_parameters
 from ttt.models import Transformer, TransformerConfig
 
@@ -59,6 +60,19 @@ def test_cpu_sweep_writes_csv_table_plots_and_environment(tmp_path, capsys):
     assert "memory slope in k" in table and "eager / flashbob" in table
     assert json.loads((tmp_path / "results.json").read_text())["rows"][0]["backend"] == "flashbob"
     assert "grad_memory: 30 points" in capsys.readouterr().out
+    (tmp_path / "memory_vs_n.png").unlink()
+    (tmp_path / "table.md").write_text("")
+    assert grad_memory_report.main([str(tmp_path)]) == 0  # rendered again from the CSV alone
+    assert (tmp_path / "table.md").read_text() == table and (tmp_path / "memory_vs_n.png").is_file()
+
+
+def test_ttt_e2e_workload_runs_and_is_not_predicted(tmp_path):
+    overrides = [*TINY[:4], "workload=ttt_e2e", "window=8", "chunk_len=8", "n_sweep.ns=[16,32]"]
+    overrides += ["k_sweep.ns=[]", "first_order.ns=[16]", "checkpointed.ns=[32]", "backends=[flashbob,eager]"]
+    rows = grad_memory.run(load([*overrides, f"out={tmp_path}"], cuda_available=False))
+    assert len(rows) == 2 * 6 and {r["status"] for r in rows} == {"ok"}
+    assert all(r["predicted_gib"] is None and r["saved_gib"] > 0 for r in rows)
+    assert "ttt_e2e: 2 layers" in (tmp_path / "table.md").read_text()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -134,7 +148,7 @@ def test_out_of_memory_and_time_limit_are_recorded_not_raised(monkeypatch):
     def out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64 GiB")
 
-    monkeypatch.setattr("ttt.experiments.meta_step_probe.meta_step", out_of_memory)
+    monkeypatch.setattr("ttt.experiments.workloads.meta_step", out_of_memory)
     row = measure(setup, Point("eager", 8, 1, "second", False), warmup=False, time_limit_s=None)
     assert row["status"] == "oom" and row["seconds"] is None
     with pytest.raises(Exception, match="over the time limit"), time_limit(0.05):

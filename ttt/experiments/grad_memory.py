@@ -22,12 +22,14 @@ import torch
 
 from ttt.inner import select_parameters
 from ttt.models import Transformer, TransformerConfig
+from ttt.ttt_layers import TTTConfig
 
 from . import grad_memory_report as report
 from .environment import describe
 from .grad_memory_config import SWEEPS, GradMemoryConfig, load
 from .memory_model import ModelDims, predicted_bytes
-from .meta_step_probe import GIB, Point, ProbeSetup, measure
+from .meta_step_probe import GIB, measure
+from .workloads import DEFAULT_ADAPTED, Point, ProbeSetup
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -71,13 +73,18 @@ def resolve(cfg: GradMemoryConfig) -> ProbeSetup:
         n_layers=cfg.n_layers,
         n_heads=cfg.n_heads,
         head_dim=cfg.head_dim,
+        window=cfg.window,
     )
-    return ProbeSetup(model, list(cfg.adapted), cfg.inner_lr, device, DTYPES[dtype], cfg.seed)
+    adapted = list(cfg.adapted or DEFAULT_ADAPTED[cfg.workload])
+    ttt = TTTConfig(suffix_len=cfg.suffix_len, chunk_len=cfg.chunk_len)
+    return ProbeSetup(model, adapted, cfg.inner_lr, device, DTYPES[dtype], cfg.seed, cfg.workload, ttt)
 
 
 def predictor(setup: ProbeSetup):
     """point -> predicted GiB (`memory_model.predicted_bytes` for the sweep's model, built on the meta
-    device: no memory)."""
+    device: no memory), or None where the model does not apply (ttt_e2e, a sliding window)."""
+    if setup.workload != "maml" or setup.model.window is not None:
+        return lambda point: None
     with torch.device("meta"):
         model = Transformer(setup.model).to(setup.dtype)
     dims = ModelDims.of(model, list(select_parameters(model, setup.adapted)))
@@ -91,6 +98,20 @@ def predictor(setup: ProbeSetup):
     return predict
 
 
+def summary(setup: ProbeSetup) -> str:
+    """One line naming the workload, the model and the adapted parameters."""
+    m = setup.model
+    text = (
+        f"{setup.workload}: {m.n_layers} layers, d_model {m.d_model}, {m.n_heads} heads of {m.head_dim}, "
+        f"{'full causal' if m.window is None else f'window {m.window}'}, vocab {m.vocab_size}, "
+        f"{str(setup.dtype).removeprefix('torch.')}, batch 1, adapted {setup.adapted}, "
+        f"inner SGD lr {setup.inner_lr}"
+    )
+    if setup.workload == "ttt_e2e":
+        text += f", chunks of {setup.ttt.chunk_len}, suffix of {setup.ttt.suffix_len} block(s)"
+    return text
+
+
 def executed_backend(backend: str, device: torch.device) -> str:
     """The attention code that actually runs: flashbob is the plain-PyTorch (eager) path off CUDA."""
     return "eager" if backend == "flashbob" and device.type != "cuda" else backend
@@ -101,7 +122,11 @@ def run(cfg: GradMemoryConfig) -> list[dict]:
     setup = resolve(cfg)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    env = {**describe(setup.device), "dtype": str(setup.dtype).removeprefix("torch.")}
+    env = {
+        **describe(setup.device),
+        "dtype": str(setup.dtype).removeprefix("torch."),
+        "setup": summary(setup),
+    }
     report.write_atomic(out / "environment.json", json.dumps(env, indent=1) + "\n")
     predict = predictor(setup)
     points = sweep_points(cfg)
@@ -129,8 +154,7 @@ def run(cfg: GradMemoryConfig) -> list[dict]:
         print(report.progress_line(row), flush=True)
         report.write_atomic(out / "results.csv", report.csv_text(rows))
     report.write_atomic(out / "results.json", json.dumps({"environment": env, "rows": rows}, indent=1) + "\n")
-    report.write_atomic(out / "table.md", report.markdown(rows, env))
-    report.plot(rows, out)
+    report.render(rows, env, out)
     print("\n".join(report.headline(rows)))
     return rows
 

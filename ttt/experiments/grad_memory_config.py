@@ -14,6 +14,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from ttt.models import ATTENTION_BACKENDS
 
+from .workloads import WORKLOADS
+
 ORDERS = ("first", "second")
 SWEEPS = ("n_sweep", "k_sweep", "first_order", "checkpointed")
 DTYPES = ("auto", "bf16", "fp16", "fp32")
@@ -45,6 +47,15 @@ class GradMemoryConfig:
     """cuda, cpu, or auto (cuda when available)."""
     dtype: str = "auto"
     """Parameter dtype: bf16, fp16, fp32, or auto (bf16 on CUDA, fp32 on the CPU)."""
+    workload: str = "maml"
+    """maml (the maml_longctx transformer, k inner steps on a whole sequence) or ttt_e2e (TTT-E2E:
+    fast-weight MLPs in the last suffix_len blocks, k inner steps per chunk of chunk_len tokens)."""
+    window: int | None = None
+    """Sliding attention window; null: full causal attention (what the memory model assumes)."""
+    chunk_len: int = 1024
+    """ttt_e2e: tokens per chunk."""
+    suffix_len: int = 1
+    """ttt_e2e: blocks read chunk by chunk, with fast weights."""
     d_model: int = 512
     """Width of the residual stream."""
     n_layers: int = 2
@@ -55,8 +66,9 @@ class GradMemoryConfig:
     """Width of one head."""
     vocab_size: int = 256
     """Vocabulary (the tokens are random)."""
-    adapted: list[str] = field(default_factory=lambda: ["layers.*.mlp.*"])
-    """Glob patterns of the parameters the inner loop adapts (the memory model assumes the MLPs)."""
+    adapted: list[str] | None = None
+    """Glob patterns of the parameters the inner loop adapts; null: every MLP (maml; what the memory
+    model assumes) or the suffix blocks' extra MLPs (ttt_e2e)."""
     inner_lr: float = 0.01
     """Inner SGD learning rate."""
     backends: list[str] = field(default_factory=lambda: list(ATTENTION_BACKENDS))
@@ -90,6 +102,8 @@ class GradMemoryConfig:
     def __post_init__(self):
         if self.preset not in ("auto", "cpu", "gpu"):
             raise ValueError(f"preset must be auto, cpu or gpu, got {self.preset!r}")
+        if self.workload not in WORKLOADS:
+            raise ValueError(f"workload must be one of {WORKLOADS}, got {self.workload!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.dtype not in DTYPES:

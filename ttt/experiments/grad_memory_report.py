@@ -1,11 +1,18 @@
 """Outputs of the gradient-memory sweep: the CSV (rewritten after every point), a markdown table with
-the headline figures, and three plots. A row is a dict with the keys of COLUMNS."""
+the headline figures, and three plots. A row is a dict with the keys of COLUMNS.
+
+    python -m ttt.experiments.grad_memory_report DIR     # table.md and plots again from DIR's results
+
+(e.g. for a run that was killed before its end, or whose machine had no matplotlib).
+"""
 
 from __future__ import annotations
 
 import csv
 import io
+import json
 import os
+import sys
 from pathlib import Path
 
 COLUMNS = (
@@ -39,6 +46,21 @@ def _csv_value(value):
     if value is None:
         return ""
     return format(value, ".6g") if isinstance(value, float) else value
+
+
+def read_csv_rows(path: Path) -> list[dict]:
+    """The rows of a results.csv, with numbers, booleans and None (empty cells) restored."""
+    with open(path) as handle:
+        rows = list(csv.DictReader(handle))
+    for row in rows:
+        for key, value in row.items():
+            if key in ("k", "n"):
+                row[key] = int(value)
+            elif key == "checkpoint":
+                row[key] = value == "True"
+            elif key.endswith(("_gib", "_s")) or key == "seconds":
+                row[key] = float(value) if value else None
+    return rows
 
 
 def csv_text(rows: list[dict]) -> str:
@@ -115,9 +137,9 @@ def progress_line(row: dict) -> str:
     """One line per finished point, for the console."""
     return (
         f"  {row['backend']:9s} {row['order']:6s} ckpt={int(row['checkpoint'])} k={row['k']} "
-        f"N={row['n']:7d}  "
-        f"{row['status']:8s} peak={cell(row['peak_gib'])} saved={cell(row['saved_gib'], '.3f')} "
-        f"predicted={row['predicted_gib']:.3f} GiB  t={cell(row['seconds'], '.3f')} s  {row['error']}"
+        f"N={row['n']:7d}  {row['status']:8s} peak={cell(row['peak_gib'])} "
+        f"saved={cell(row['saved_gib'], '.3f')} predicted={cell(row['predicted_gib'], '.3f')} GiB  "
+        f"t={cell(row['seconds'], '.3f')} s  {row['error']}"
     )
 
 
@@ -134,6 +156,7 @@ def markdown(rows: list[dict], env: dict) -> str:
         f"Device: {env['device']} ({env['device_memory_gib'] or '-'} GiB); torch {env['torch']}, triton "
         f"{env['triton']}, CUDA {env['cuda']}; commit {env['commit']}; {env['utc']} UTC",
         f"Command: `{env['command']}`",
+        f"Setup: {env['setup']}",
         "",
         *headline(rows),
         "",
@@ -229,3 +252,28 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
     fig.savefig(paths[-1], dpi=120)
     plt.close(fig)
     return paths
+
+
+def render(rows: list[dict], env: dict, out_dir: Path) -> None:
+    """Write table.md and the plots under out_dir (the plots are skipped, with a note, without matplotlib)."""
+    write_atomic(out_dir / "table.md", markdown(rows, env))
+    try:
+        plot(rows, out_dir)
+    except ImportError as err:
+        print(f"plots skipped ({err}); later: python -m ttt.experiments.grad_memory_report {out_dir}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Render DIR's table.md and plots from DIR/results.csv and DIR/environment.json."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1 or not (Path(args[0]) / "results.csv").is_file():
+        print("usage: python -m ttt.experiments.grad_memory_report DIR (with results.csv)", file=sys.stderr)
+        return 2
+    out_dir = Path(args[0])
+    env = json.loads((out_dir / "environment.json").read_text())
+    render(read_csv_rows(out_dir / "results.csv"), env, out_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

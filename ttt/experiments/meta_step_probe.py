@@ -1,8 +1,8 @@
-"""One sweep point of the gradient-memory experiment: build the model, run one full meta step, measure it.
+"""One sweep point of the gradient-memory experiment: build the workload, run one full meta step, measure it.
 
-A full meta step is what training repeats: k inner steps on the inner sequence (second order: with
-create_graph), the outer loss on the outer sequence with the adapted weights, and the outer backward
-into every parameter of the model (`ttt.inner.meta_step` with one task). Measured per point:
+A full meta step (`workloads`) is what training repeats: the inner steps (second order: with
+create_graph), the outer loss with the adapted weights, and the outer backward into every parameter.
+Measured per point:
     seconds       wall time of the step, CUDA synchronised before and after
     first_call_s  the same for the very first step of a (backend, order) pair: compilation included
     peak_gib      torch.cuda.max_memory_allocated during the step (reset just before), nothing
@@ -14,58 +14,20 @@ A failure never propagates: out-of-memory gives status "oom", the time limit "ti
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
+from torch import nn
 
-from ttt.inner import InnerLoop, InnerLoopConfig, meta_step, select_parameters
-from ttt.models import Transformer, TransformerConfig
-
-from .next_token import NextTokenObjective, random_task
 from .saved_bytes import SavedTensorMeter
+from .workloads import Point, ProbeSetup, build
 
 GIB = 2**30
-
-
-@dataclass(frozen=True)
-class Point:
-    """One measurement of the sweep."""
-
-    backend: str
-    """Attention backend: flashbob, eager or sdpa_math."""
-    n: int
-    """Sequence length (tokens) of the inner and of the outer sequence."""
-    k: int
-    """Inner steps."""
-    order: str
-    """"second" (differentiate through the inner gradients) or "first" (first-order MAML)."""
-    checkpoint: bool
-    """Recompute each inner step in the outer backward instead of storing it."""
-
-
-@dataclass
-class ProbeSetup:
-    """What stays fixed over the sweep."""
-
-    model: TransformerConfig
-    """The transformer; its `attention` field is replaced by each point's backend."""
-    adapted: list[str]
-    """Glob patterns of the adapted (inner-loop) parameters."""
-    inner_lr: float
-    """Inner SGD learning rate."""
-    device: torch.device
-    """Where the step runs."""
-    dtype: torch.dtype
-    """Parameter (and so activation) dtype."""
-    seed: int
-    """Seed of the weights and of the tokens."""
 
 
 class PointTimeout(Exception):
@@ -116,39 +78,27 @@ def _release(device: torch.device, *, collect: bool) -> None:
         torch.cuda.empty_cache()
 
 
-def _timed_step(model: Transformer, inner: InnerLoop, params: dict, task: dict, device) -> float:
+def _timed_step(model: nn.Module, step: Callable[[], None], device: torch.device) -> float:
     model.zero_grad(set_to_none=True)
     _sync(device)
     start = time.perf_counter()
-    meta_step(NextTokenObjective(model), inner, params, [task])
+    step()
     _sync(device)
     return time.perf_counter() - start
 
 
 def _measure(setup: ProbeSetup, point: Point, warmup: bool, warmup_limit_s, limit_s) -> dict:
-    torch.manual_seed(setup.seed)
-    cfg = dataclasses.replace(setup.model, attention=point.backend)
-    model = Transformer(cfg).to(device=setup.device, dtype=setup.dtype)
-    params = select_parameters(model, setup.adapted)
-    inner_cfg = InnerLoopConfig(
-        params=list(setup.adapted),
-        steps=point.k,
-        lr=setup.inner_lr,
-        first_order=point.order == "first",
-        checkpoint=point.checkpoint,
-    )
-    inner = InnerLoop(params, inner_cfg).to(setup.device)
-    task = random_task(point.n, cfg.vocab_size, setup.device, setup.seed)
+    model, step = build(setup, point)
     row = {"params_gib": sum(p.numel() * p.element_size() for p in model.parameters()) / GIB}
     if warmup:
         with time_limit(warmup_limit_s):
-            row["first_call_s"] = _timed_step(model, inner, params, task, setup.device)
+            row["first_call_s"] = _timed_step(model, step, setup.device)
     model.zero_grad(set_to_none=True)
     _release(setup.device, collect=False)
     if setup.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(setup.device)
     with time_limit(limit_s), SavedTensorMeter() as meter:
-        row["seconds"] = _timed_step(model, inner, params, task, setup.device)
+        row["seconds"] = _timed_step(model, step, setup.device)
     row["saved_gib"] = meter.peak_bytes / GIB
     if setup.device.type == "cuda":
         row["peak_gib"] = torch.cuda.max_memory_allocated(setup.device) / GIB

@@ -1,0 +1,101 @@
+"""The meta-learning workloads the gradient-memory experiment measures: build one, get its meta step.
+
+    maml      a `Transformer` (the maml_longctx architecture) whose adapted weights (default: every
+              MLP) take k inner SGD steps on the next-token loss of one sequence; the outer loss is
+              the next-token loss of a second sequence (`ttt.inner.meta_step`, one task).
+    ttt_e2e   a `TTTTransformer` (TTT-E2E): its last suffix_len blocks read the sequence in chunks of
+              chunk_len tokens and their fast weights (default: the extra MLPs) take k inner SGD steps
+              on each chunk's loss after scoring it; the outer loss is the mean next-token loss.
+Either way the step ends with the outer backward into every parameter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ttt.inner import InnerLoop, InnerLoopConfig, meta_step, select_parameters
+from ttt.models import Transformer, TransformerConfig
+from ttt.ttt_layers import TTTConfig, TTTTransformer
+
+from .next_token import NextTokenObjective, random_task
+
+WORKLOADS = ("maml", "ttt_e2e")
+DEFAULT_ADAPTED = {"maml": ["layers.*.mlp.*"], "ttt_e2e": ["layers.*.ttt_mlp.*"]}
+
+
+@dataclass(frozen=True)
+class Point:
+    """One measurement of the sweep."""
+
+    backend: str
+    """Attention backend: flashbob, eager or sdpa_math."""
+    n: int
+    """Sequence length (tokens) of the inner and of the outer sequence."""
+    k: int
+    """Inner steps (ttt_e2e: per chunk)."""
+    order: str
+    """"second" (differentiate through the inner gradients) or "first" (first-order MAML)."""
+    checkpoint: bool
+    """Recompute each inner step (ttt_e2e: each chunk) in the outer backward instead of storing it."""
+
+
+@dataclass
+class ProbeSetup:
+    """What stays fixed over the sweep."""
+
+    model: TransformerConfig
+    """The transformer; its `attention` field is replaced by each point's backend."""
+    adapted: list[str]
+    """Glob patterns of the adapted (inner-loop) parameters."""
+    inner_lr: float
+    """Inner SGD learning rate."""
+    device: torch.device
+    """Where the step runs."""
+    dtype: torch.dtype
+    """Parameter (and so activation) dtype."""
+    seed: int
+    """Seed of the weights and of the tokens."""
+    workload: str = "maml"
+    """maml or ttt_e2e."""
+    ttt: TTTConfig = dataclasses.field(default_factory=TTTConfig)
+    """Chunking and suffix of the ttt_e2e workload."""
+
+
+def _inner_config(setup: ProbeSetup, point: Point) -> InnerLoopConfig:
+    return InnerLoopConfig(
+        params=list(setup.adapted),
+        steps=point.k,
+        lr=setup.inner_lr,
+        first_order=point.order == "first",
+        checkpoint=point.checkpoint,
+    )
+
+
+def build(setup: ProbeSetup, point: Point) -> tuple[nn.Module, Callable[[], None]]:
+    """The model of `point` (seeded, on setup.device in setup.dtype) and a function that runs one full
+    meta step on fixed random tokens (inner steps, outer loss, outer backward; .grad accumulates)."""
+    torch.manual_seed(setup.seed)
+    base = Transformer(dataclasses.replace(setup.model, attention=point.backend))
+    task = random_task(point.n, setup.model.vocab_size, setup.device, setup.seed)
+    if setup.workload == "maml":
+        model = base.to(device=setup.device, dtype=setup.dtype)
+        params = select_parameters(model, setup.adapted)
+        inner = InnerLoop(params, _inner_config(setup, point))
+
+        def maml_step() -> None:
+            meta_step(NextTokenObjective(model), inner, params, [task])
+
+        return model, maml_step
+    if setup.workload == "ttt_e2e":
+        model = TTTTransformer(base, setup.ttt, _inner_config(setup, point)).to(setup.device, setup.dtype)
+
+        def ttt_step() -> None:
+            model.token_losses(task["inner"][None]).mean().backward()
+
+        return model, ttt_step
+    raise ValueError(f"workload must be one of {WORKLOADS}, got {setup.workload!r}")
