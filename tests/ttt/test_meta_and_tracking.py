@@ -53,7 +53,7 @@ def test_user_subclass_meta_trains_with_lightning_and_adapts_at_evaluation():
         learner, torch.utils.data.DataLoader([_shift_batch(seed=99)], batch_size=None)
     )[0]
     assert metrics["val/query_loss_adapted"] < 0.2 * metrics["val/query_loss_unadapted"]
-    assert metrics["val/query_error_adapted"] == pytest.approx(metrics["val/query_loss_adapted"])
+    assert metrics["val/error_adapted"] == pytest.approx(metrics["val/query_loss_adapted"])
 
 
 def test_evaluation_under_inference_mode_is_refused_with_the_fix():

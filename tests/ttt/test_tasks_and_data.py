@@ -72,3 +72,28 @@ def test_context_chunks_score_every_context_position_once():
         assert fed == max(0, start - 4)
         scored += list(range(start, end))
     assert scored == list(range(22))
+
+
+def test_context_loss_weight_adds_the_context_next_token_loss_but_not_to_the_reported_query_loss():
+    task_cfg = KVRecallConfig(n_pairs=3, n_queries=2, n_keys=4, n_values=4, filler_len=6, n_filler_tokens=2)
+    task = {k: torch.from_numpy(v) for k, v in sample_kv_recall(task_cfg, np.random.default_rng(0)).items()}
+    model = Transformer(TransformerConfig(vocab_size=16, d_model=16, n_heads=2, window=2, attention="eager"))
+    losses = {}
+    for weight in (0.0, 0.5):
+        chunks = ContextChunksConfig(chunk_len=4, context_loss_weight=weight)
+        learner = ContextLearner(
+            model, InnerLoopConfig(), OuterOptimConfig(), 1, context_len=task_cfg.context_len, chunks=chunks
+        )
+        losses[weight] = learner.outer_loss(learner.initial_params(), task)
+    (plain, metrics), (weighted, _) = losses[0.0], losses[0.5]
+    tokens = task["tokens"]
+    logits = model(tokens[None, :-1])[0]
+    context = torch.nn.functional.cross_entropy(
+        logits[: task_cfg.context_len - 1], tokens[1 : task_cfg.context_len]
+    )
+    torch.testing.assert_close(plain, metrics["query_loss"])
+    torch.testing.assert_close(metrics["context_loss"], context.detach())
+    torch.testing.assert_close(weighted, plain + 0.5 * context)
+    batch = {k: v[None] for k, v in task.items()}
+    evaluated = learner.evaluate(batch)
+    torch.testing.assert_close(evaluated["query_loss_unadapted"], plain.detach())

@@ -4,7 +4,10 @@ A task is a token sequence `tokens` (N,) whose first `context_len` tokens are th
 `query_mask` (N,) marks the positions whose next token is an answer. The inner loop reads the
 context chunk by chunk: inner step i takes the next-token loss on chunk i mod n_chunks (with
 `left_context` earlier tokens fed for attention, not scored) and updates the adapted weights. The
-outer loss is the next-token loss on the answers, reading the whole sequence with the adapted weights.
+outer loss is the next-token loss on the answers, reading the whole sequence with the adapted weights,
+plus optionally (context_loss_weight > 0) the next-token loss on the context itself, as in TTT-E2E,
+whose meta-loss is the language-modelling loss of every chunk: it teaches the model to predict
+filler, so that chunks without information barely move the adapted weights.
 """
 
 from __future__ import annotations
@@ -28,12 +31,16 @@ class ContextChunksConfig:
     """Scored tokens per inner step; inner step i trains on chunk i mod (number of chunks)."""
     left_context: int | None = None
     """Earlier tokens fed before each chunk as attention context (not scored); null: the model's window."""
+    context_loss_weight: float = 0.0
+    """Weight of the context's next-token loss after adaptation in the outer loss (0: query loss only)."""
 
     def __post_init__(self):
         if self.chunk_len < 1:
             raise ValueError(f"context.chunk_len must be a positive int, got {self.chunk_len}")
         if self.left_context is not None and self.left_context < 0:
             raise ValueError(f"context.left_context must be >= 0 or null, got {self.left_context}")
+        if self.context_loss_weight < 0:
+            raise ValueError(f"context.context_loss_weight must be >= 0, got {self.context_loss_weight}")
 
 
 class ContextLearner(MetaLearner):
@@ -54,6 +61,7 @@ class ContextLearner(MetaLearner):
             raise ValueError(f"context_len must be >= 2 (a token and its successor), got {context_len}")
         self.context_len = context_len
         self.chunk_len = chunks.chunk_len
+        self.context_loss_weight = chunks.context_loss_weight
         self.left_context = (model.cfg.window or 0) if chunks.left_context is None else chunks.left_context
 
     @property
@@ -81,7 +89,16 @@ class ContextLearner(MetaLearner):
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         tokens, query_mask = task["tokens"], task["query_mask"]
         positions = query_mask[:-1].nonzero()[:, 0]
-        logits = self.forward_with(params, tokens[None, :-1])[0, positions].float()
-        targets = tokens[positions + 1]
-        loss = F.cross_entropy(logits, targets)
-        return loss, {"acc": (logits.argmax(-1) == targets).float().mean().detach()}
+        logits = self.forward_with(params, tokens[None, :-1])[0]
+        query_logits, targets = logits[positions].float(), tokens[positions + 1]
+        query_loss = F.cross_entropy(query_logits, targets)
+        context_len = self.context_len
+        context_loss = F.cross_entropy(logits[: context_len - 1].float(), tokens[1:context_len])
+        metrics = {
+            "query_loss": query_loss.detach(),
+            "query_acc": (query_logits.argmax(-1) == targets).float().mean().detach(),
+            "context_loss": context_loss.detach(),
+        }
+        if self.context_loss_weight == 0:
+            return query_loss, metrics
+        return query_loss + self.context_loss_weight * context_loss, metrics

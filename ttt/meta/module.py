@@ -15,6 +15,8 @@ per task. Training uses manual optimization: `meta_step` (inner adaptation, oute
 per task), outer gradient clipping, optimizer and scheduler step. Validation and test adapt too
 (grad mode is switched on inside them; build the Trainer with inference_mode=False) and log the
 query loss and metrics without adaptation ("_unadapted") and after the inner steps ("_adapted").
+The query loss is the outer loss itself unless `outer_loss` reports a metric named "query_loss"
+(for objectives that add auxiliary terms to it).
 """
 
 from __future__ import annotations
@@ -68,7 +70,8 @@ class MetaLearner(pl.LightningModule):
     def outer_loss(
         self, params: dict[str, torch.Tensor], task: dict[str, torch.Tensor]
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Scalar query loss of one task with adapted params, and detached metrics (e.g. {"acc": ...}).
+        """Scalar outer loss of one task with adapted params, and detached metrics by name
+        (e.g. {"query_acc": ...}; "query_loss" when the outer loss is more than the query loss).
         Override this."""
         raise NotImplementedError("subclasses of MetaLearner define outer_loss(params, task)")
 
@@ -91,15 +94,15 @@ class MetaLearner(pl.LightningModule):
         optimizer.step()
         scheduler.step()
         metrics = {
-            "train/query_loss": result.outer_loss,
+            "train/outer_loss": result.outer_loss,
             "train/lr": torch.tensor(scheduler.get_last_lr()[0]),
         }
         if result.inner_losses.numel():
             metrics["train/inner_loss_first"] = result.inner_losses[0]
             metrics["train/inner_loss_last"] = result.inner_losses[-1]
-        metrics.update({f"train/query_{name}": value for name, value in result.metrics.items()})
+        metrics.update({f"train/{name}": value for name, value in result.metrics.items()})
         self.log_dict(metrics, batch_size=len(tasks))
-        self.log("query_loss", result.outer_loss, prog_bar=True, logger=False, batch_size=len(tasks))
+        self.log("outer_loss", result.outer_loss, prog_bar=True, logger=False, batch_size=len(tasks))
         return result.outer_loss
 
     def evaluate(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -121,7 +124,7 @@ class MetaLearner(pl.LightningModule):
         out = {}
         for tag, result in (("unadapted", unadapted), ("adapted", adapted)):
             out[f"query_loss_{tag}"] = result.outer_loss
-            out.update({f"query_{name}_{tag}": value for name, value in result.metrics.items()})
+            out.update({f"{name}_{tag}": value for name, value in result.metrics.items()})
         return out
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
