@@ -173,3 +173,41 @@ def test_bad_settings_fail_clearly():
         TTTConfig(chunk_len=0)
     with pytest.raises(TypeError, match="Transformer"):
         TTTTransformer(torch.nn.Linear(2, 2), TTTConfig(), InnerLoopConfig(params=EXTRA))
+
+
+def test_flashbob_kernels_through_the_chunked_layer_match_eager(monkeypatch):
+    """The Triton kernels (CUDA, or Triton's CPU interpreter in tests) on the suffix's rectangular,
+    windowed, grouped-query attention, second order through two inner steps per chunk."""
+    import importlib
+    import os
+
+    import kernels
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1 (tests/conftest.py sets it without a GPU)")
+
+    def triton_attention(q, k, v, *, backend, causal=True, window=None, scale=None):
+        return kernels.flash_attention(q, k, v, causal=causal, window=window, scale=scale, backend="triton")
+
+    results = []
+    for attention in ("eager", "triton"):
+        torch.manual_seed(0)
+        cfg = TransformerConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16,
+                                window=7, attention="eager")  # fmt: skip
+        inner = InnerLoopConfig(
+            params=[*EXTRA, "layers.1.attn.wq.weight"], lr=0.5, steps=2, learnable_lr="tensor"
+        )
+        model = TTTTransformer(Transformer(cfg), TTTConfig(suffix_len=1, chunk_len=10), inner).to(device)
+        with torch.no_grad():
+            model.layers[1].ttt_mlp.w_down.weight.normal_(std=0.3)
+        if attention == "triton":
+            for module in ("ttt.ttt_layers.block", "ttt.models.transformer"):
+                monkeypatch.setattr(importlib.import_module(module), "attention", triton_attention)
+        x = torch.randint(0, 64, (1, 37), generator=torch.Generator().manual_seed(1)).to(device)
+        loss = _meta_loss(model, x)
+        results.append((loss, torch.autograd.grad(loss, list(model.parameters()))))
+    (eager_loss, eager_grads), (triton_loss, triton_grads) = results
+    torch.testing.assert_close(triton_loss, eager_loss, rtol=1e-5, atol=1e-6)
+    for a, b in zip(triton_grads, eager_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
