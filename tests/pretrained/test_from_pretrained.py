@@ -79,6 +79,9 @@ def test_bad_checkpoints_fail_with_clear_messages(llama_reference, tmp_path):
     scaled = {**LLAMA_JSON, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}
     with pytest.raises(ValueError, match="llama3"):
         from_pretrained(write_checkpoint(tmp_path / "scaled", scaled, hf_llama_tensors(reference)))
+    incomplete = {key: value for key, value in LLAMA_JSON.items() if key != "intermediate_size"}
+    with pytest.raises(ValueError, match="LlamaForCausalLM: missing key 'intermediate_size'"):
+        from_pretrained(write_checkpoint(tmp_path / "incomplete", incomplete, hf_llama_tensors(reference)))
     (tmp_path / "noweights").mkdir()
     (tmp_path / "noweights" / "config.json").write_text(json.dumps(LLAMA_JSON))
     with pytest.raises(FileNotFoundError, match="no model.safetensors"):

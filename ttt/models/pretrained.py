@@ -71,6 +71,12 @@ def _rope_theta(hf: dict) -> float:
     return float(hf.get("rope_theta", params.get("rope_theta", 10000.0)))
 
 
+def _required(hf: dict, key: str):
+    if key not in hf:
+        raise ValueError(f"config.json of a {hf['architectures'][0]}: missing key {key!r}")
+    return hf[key]
+
+
 def _require_false(hf: dict, *keys: str) -> None:
     for key in keys:
         if hf.get(key):
@@ -83,13 +89,13 @@ def llama_config(hf: dict) -> TransformerConfig:
         raise ValueError(f"config.json: hidden_act must be 'silu' (SwiGLU), got {hf['hidden_act']!r}")
     _require_false(hf, "attention_bias", "mlp_bias", "use_sliding_window")
     return TransformerConfig(
-        vocab_size=hf["vocab_size"],
-        d_model=hf["hidden_size"],
-        n_layers=hf["num_hidden_layers"],
-        n_heads=hf["num_attention_heads"],
+        vocab_size=_required(hf, "vocab_size"),
+        d_model=_required(hf, "hidden_size"),
+        n_layers=_required(hf, "num_hidden_layers"),
+        n_heads=_required(hf, "num_attention_heads"),
         n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
         head_dim=hf.get("head_dim"),
-        d_ff=hf["intermediate_size"],
+        d_ff=_required(hf, "intermediate_size"),
         rope_theta=_rope_theta(hf),
         norm_eps=hf.get("rms_norm_eps", 1e-6),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
@@ -100,15 +106,18 @@ def llama_config(hf: dict) -> TransformerConfig:
 def gpt2_config(hf: dict) -> GPT2Config:
     """`GPT2Config` of a GPT-2 config.json (parsed)."""
     _require_false(hf, "scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn")
-    if hf.get("scale_attn_weights") is False:
-        raise ValueError("config.json: scale_attn_weights=false is not supported")
+    for key in ("scale_attn_weights", "tie_word_embeddings"):
+        if hf.get(key) is False:
+            raise ValueError(
+                f"config.json: {key}=false is not supported (GPT-2 scales attention and ties its head)"
+            )
     return GPT2Config(
-        vocab_size=hf["vocab_size"],
-        d_model=hf["n_embd"],
-        n_layers=hf["n_layer"],
-        n_heads=hf["n_head"],
+        vocab_size=_required(hf, "vocab_size"),
+        d_model=_required(hf, "n_embd"),
+        n_layers=_required(hf, "n_layer"),
+        n_heads=_required(hf, "n_head"),
         d_ff=hf.get("n_inner") or 4 * hf["n_embd"],
-        max_positions=hf["n_positions"],
+        max_positions=_required(hf, "n_positions"),
         norm_eps=hf.get("layer_norm_epsilon", 1e-5),
         activation=hf.get("activation_function", "gelu_new"),
     )
