@@ -49,7 +49,7 @@ def test_cpu_sweep_writes_csv_table_plots_and_environment(tmp_path, capsys):
     assert {row["status"] for row in rows} == {"ok"}
     for row in rows:
         assert float(row["saved_gib"]) > 0 and float(row["predicted_gib"]) > 0 and float(row["seconds"]) > 0
-        assert row["peak_gib"] == ""  # allocator peak only on CUDA
+        assert float(row["peak_gib"]) > float(row["saved_gib"])  # on the CPU: LiveTensorMeter
     assert sum(row["first_call_s"] != "" for row in rows) == 6  # one warm-up per (backend, order)
     for name in ("memory_vs_n.png", "time_vs_n.png", "memory_vs_k.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
@@ -77,16 +77,18 @@ def test_ttt_e2e_workload_runs_and_is_not_predicted(tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("backend", ["eager", "sdpa_math"])
-def test_memory_model_matches_the_saved_bytes(dtype, backend):
-    cfg = load(["preset=cpu", "dtype=fp32"], cuda_available=False)
-    setup = grad_memory.resolve(cfg)
+def test_memory_model_matches_the_saved_bytes_and_bounds_the_peak(dtype, backend):
+    setup = grad_memory.resolve(load(["preset=cpu"], cuda_available=False))
     setup.dtype = dtype
     predict = grad_memory.predictor(setup)
-    for n, k, order in [(24, 2, "first"), (24, 1, "second"), (40, 3, "second")]:
+    for n, k, order in [(24, 2, "first"), (24, 1, "second"), (40, 3, "second"), (256, 2, "second")]:
         point = Point(backend, n, k, order, False)
         row = measure(setup, point, warmup=False, time_limit_s=None)
         assert row["status"] == "ok", row["error"]
-        assert row["saved_gib"] == pytest.approx(predict(point), rel=0.01), point
+        model = predict(point)
+        assert row["saved_gib"] == pytest.approx(model["predicted_gib"], rel=0.01), point
+        # The peak model is about an upper estimate: at the peak some linear activations are freed.
+        assert 0.7 < row["peak_gib"] / model["predicted_peak_gib"] < 1.1, point
 
 
 def test_memory_model_matches_the_flashbob_kernels_saved_bytes(monkeypatch):

@@ -27,7 +27,7 @@ from ttt.ttt_layers import TTTConfig
 from . import grad_memory_report as report
 from .environment import describe
 from .grad_memory_config import SWEEPS, GradMemoryConfig, load
-from .memory_model import ModelDims, predicted_bytes
+from .memory_model import ModelDims, predicted_bytes, predicted_peak_bytes
 from .meta_step_probe import GIB, measure
 from .workloads import DEFAULT_ADAPTED, Point, ProbeSetup
 
@@ -81,19 +81,23 @@ def resolve(cfg: GradMemoryConfig) -> ProbeSetup:
 
 
 def predictor(setup: ProbeSetup):
-    """point -> predicted GiB (`memory_model.predicted_bytes` for the sweep's model, built on the meta
-    device: no memory), or None where the model does not apply (ttt_e2e, a sliding window)."""
+    """point -> {"predicted_gib": saved graphs, "predicted_peak_gib": plus the transients} from
+    `memory_model` for the sweep's model (built on the meta device: no memory); None values where the
+    model does not apply (ttt_e2e, a sliding window)."""
     if setup.workload != "maml" or setup.model.window is not None:
-        return lambda point: None
+        return lambda point: {"predicted_gib": None, "predicted_peak_gib": None}
     with torch.device("meta"):
         model = Transformer(setup.model).to(setup.dtype)
     dims = ModelDims.of(model, list(select_parameters(model, setup.adapted)))
     elem = torch.empty((), dtype=setup.dtype).element_size()
 
-    def predict(point: Point) -> float:
+    def predict(point: Point) -> dict:
         backend = executed_backend(point.backend, setup.device)
         options = dict(n=point.n, k=point.k, order=point.order, checkpoint=point.checkpoint)
-        return predicted_bytes(dims, backend, elem, **options) / GIB
+        return {
+            "predicted_gib": predicted_bytes(dims, backend, elem, **options) / GIB,
+            "predicted_peak_gib": predicted_peak_bytes(dims, backend, elem, **options) / GIB,
+        }
 
     return predict
 
@@ -136,7 +140,7 @@ def run(cfg: GradMemoryConfig) -> list[dict]:
     rows, failed, warmed = [], {}, set()
     start = time.perf_counter()
     for point in points:
-        row = {**vars(point), "error": "", **dict.fromkeys(report.MEASURED), "predicted_gib": predict(point)}
+        row = {**vars(point), "error": "", **dict.fromkeys(report.MEASURED), **predict(point)}
         left_s = cfg.max_minutes * 60 - (time.perf_counter() - start)
         bad = blocked_by(point, list(failed))
         if bad is not None:

@@ -25,12 +25,15 @@ COLUMNS = (
     "peak_gib",
     "saved_gib",
     "predicted_gib",
+    "predicted_peak_gib",
     "params_gib",
     "seconds",
     "first_call_s",
     "error",
 )
 MEASURED = ("status", "peak_gib", "saved_gib", "params_gib", "seconds", "first_call_s")
+GIB = ".3g"
+"""Format of GiB cells: three significant digits (76.4, 0.00123)."""
 BACKEND_STYLE = {"flashbob": "tab:blue", "eager": "tab:red", "sdpa_math": "tab:orange"}
 K_MARKERS = {1: "o", 2: "s", 4: "^", 8: "D"}
 
@@ -77,7 +80,7 @@ def _ok(rows, **match) -> list[dict]:
 
 
 def _memory(row: dict) -> float | None:
-    """The measured memory of a row: the allocator peak on CUDA, the saved-for-backward peak elsewhere."""
+    """The measured memory of a row: its peak, else (in rows from older files) its saved bytes."""
     return row["peak_gib"] if row["peak_gib"] is not None else row["saved_gib"]
 
 
@@ -137,9 +140,9 @@ def progress_line(row: dict) -> str:
     """One line per finished point, for the console."""
     return (
         f"  {row['backend']:9s} {row['order']:6s} ckpt={int(row['checkpoint'])} k={row['k']} "
-        f"N={row['n']:7d}  {row['status']:8s} peak={cell(row['peak_gib'])} "
-        f"saved={cell(row['saved_gib'], '.3f')} predicted={cell(row['predicted_gib'], '.3f')} GiB  "
-        f"t={cell(row['seconds'], '.3f')} s  {row['error']}"
+        f"N={row['n']:7d}  {row['status']:8s} peak={cell(row['peak_gib'], GIB)} "
+        f"(model {cell(row['predicted_peak_gib'], GIB)}) saved={cell(row['saved_gib'], GIB)} "
+        f"(model {cell(row['predicted_gib'], GIB)}) GiB  t={cell(row['seconds'], '.3f')} s  {row['error']}"
     )
 
 
@@ -160,17 +163,17 @@ def markdown(rows: list[dict], env: dict) -> str:
         "",
         *headline(rows),
         "",
-        "| backend | order | ckpt | k | N | status | peak GiB | saved GiB | predicted GiB | "
-        "saved KiB/token | time s | first call s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| backend | order | ckpt | k | N | status | peak GiB | model peak GiB | saved GiB | "
+        "model saved GiB | saved KiB/token | time s | first call s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         per_token = None if r["saved_gib"] is None else r["saved_gib"] * 2**20 / r["n"]
         out.append(
             f"| {r['backend']} | {r['order']} | {'on' if r['checkpoint'] else 'off'} | {r['k']} | {r['n']} | "
-            f"{r['status']} | {cell(r['peak_gib'])} | {cell(r['saved_gib'], '.3f')} | "
-            f"{cell(r['predicted_gib'], '.3f')} | {cell(per_token, '.1f')} | {cell(r['seconds'], '.3f')} | "
-            f"{cell(r['first_call_s'], '.2f')} |"
+            f"{r['status']} | {cell(r['peak_gib'], GIB)} | {cell(r.get('predicted_peak_gib'), GIB)} | "
+            f"{cell(r['saved_gib'], GIB)} | {cell(r['predicted_gib'], GIB)} | {cell(per_token, '.1f')} | "
+            f"{cell(r['seconds'], '.3f')} | {cell(r['first_call_s'], '.2f')} |"
         )
     return "\n".join(out) + "\n"
 
@@ -184,9 +187,7 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     base = [r for r in rows if r["order"] == "second" and not r["checkpoint"]]
-    label = (
-        "GiB (allocator peak)" if any(r["peak_gib"] is not None for r in rows) else "GiB (saved for backward)"
-    )
+    label = "peak GiB"
     paths = []
     for name, value, ylabel in (
         ("memory_vs_n", _memory, label),
@@ -206,9 +207,9 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
                 )
             if name == "memory_vs_n":
                 pred = [
-                    (r["n"], r["predicted_gib"])
+                    (r["n"], r["predicted_peak_gib"])
                     for r in same
-                    if r["predicted_gib"] is not None
+                    if r.get("predicted_peak_gib") is not None
                     and (r["status"] == "ok" or r["n"] == min(oom, default=None))
                 ]
                 if pred:

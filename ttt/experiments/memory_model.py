@@ -22,6 +22,11 @@ The first block's attention is not on the inner gradient's path (nothing before 
 B is e d + 8e f. The head adds 4d + 2e d + 4 + 4V + 16 (forward: final norm, float32 logits, tokens)
 and e d + 12d + 8 + (4 + e)V (inner gradient). Fixed: the weights the linear layers save, the float32 RoPE
 tables (8 head_dim per token), and one new copy of the adapted weights per second-order inner step.
+
+The allocator's peak adds what backward passes hold only while they run (`transient_bytes`): for
+eager and sdpa_math the double backward of one attention holds about 6 more N x N tensors per head
+(in its dtype: e, or a for sdpa_math; a first-order backward 2: dP and dS), counted on the CPU with
+`LiveTensorMeter`; for every backend the float32 logits' gradients, 8V per token.
 """
 
 from __future__ import annotations
@@ -55,6 +60,8 @@ class ModelDims:
     """Bytes of the parameters other than the embedding (the linear layers save their weights)."""
     adapted_bytes: int
     """Bytes of the adapted parameters (each second-order inner step makes and keeps a new copy)."""
+    param_bytes: int
+    """Bytes of all parameters (and so of their gradients)."""
 
     @classmethod
     def of(cls, model: Transformer, adapted: list[str]) -> ModelDims:
@@ -71,6 +78,7 @@ class ModelDims:
             head_dim=block.attn.wq.weight.shape[0] // model.cfg.n_heads,
             weight_bytes=sum(b for name, b in nbytes.items() if not name.startswith("embed.")),
             adapted_bytes=sum(nbytes[name] for name in adapted),
+            param_bytes=sum(nbytes.values()),
         )
 
 
@@ -168,3 +176,22 @@ def predicted_bytes(
         return fixed + outer
     step = dims.adapted_bytes + n * inner_step_graph(dims, backend, e).at(n)
     return fixed + (max(step, outer) if checkpoint else k * step + outer)
+
+
+def transient_bytes(dims: ModelDims, backend: str, e: int, *, n: int, order: str) -> float:
+    """Bytes a meta step holds at its peak on top of its saved graphs: N x N working tensors of the
+    attention's (double) backward for eager / sdpa_math, and the logits' gradients."""
+    per_head = {"flashbob": 0, "eager": e, "sdpa_math": SDPA_MATH_BYTES}[backend]
+    return n * 8 * dims.vocab + (6 if order == "second" else 2) * per_head * dims.heads * n * n
+
+
+def predicted_peak_bytes(
+    dims: ModelDims, backend: str, e: int, *, n: int, k: int, order: str, checkpoint: bool
+) -> float:
+    """Predicted peak of all memory during the step: the parameters and their gradients, the saved
+    graphs (`predicted_bytes`, whose saved weights are the parameters) and `transient_bytes`. An upper
+    estimate: when the peak comes, the outer backward has already freed some linear activations."""
+    saved = predicted_bytes(dims, backend, e, n=n, k=k, order=order, checkpoint=checkpoint)
+    return (
+        saved - dims.weight_bytes + 2 * dims.param_bytes + transient_bytes(dims, backend, e, n=n, order=order)
+    )

@@ -6,7 +6,9 @@ Measured per point:
     seconds       wall time of the step, CUDA synchronised before and after
     first_call_s  the same for the very first step of a (backend, order) pair: compilation included
     peak_gib      torch.cuda.max_memory_allocated during the step (reset just before), nothing
-                  subtracted; parameters, gradients and tokens are in it (params_gib says how much)
+                  subtracted; parameters, gradients and tokens are in it (params_gib says how much).
+                  Off CUDA: the parameters plus the peak of `LiveTensorMeter` (every tensor the step
+                  creates, while it lives)
     saved_gib     peak bytes saved for backward (`SavedTensorMeter`), on any device
 A failure never propagates: out-of-memory gives status "oom", the time limit "timeout", anything else
 "error"; memory is released either way, so the sweep can go on.
@@ -19,11 +21,12 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import nn
 
+from .live_bytes import LiveTensorMeter
 from .saved_bytes import SavedTensorMeter
 from .workloads import Point, ProbeSetup, build
 
@@ -89,7 +92,8 @@ def _timed_step(model: nn.Module, step: Callable[[], None], device: torch.device
 
 def _measure(setup: ProbeSetup, point: Point, warmup: bool, warmup_limit_s, limit_s) -> dict:
     model, step = build(setup, point)
-    row = {"params_gib": sum(p.numel() * p.element_size() for p in model.parameters()) / GIB}
+    params_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    row = {"params_gib": params_bytes / GIB}
     if warmup:
         with time_limit(warmup_limit_s):
             row["first_call_s"] = _timed_step(model, step, setup.device)
@@ -97,11 +101,14 @@ def _measure(setup: ProbeSetup, point: Point, warmup: bool, warmup_limit_s, limi
     _release(setup.device, collect=False)
     if setup.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(setup.device)
-    with time_limit(limit_s), SavedTensorMeter() as meter:
+    live = nullcontext() if setup.device.type == "cuda" else LiveTensorMeter()
+    with time_limit(limit_s), SavedTensorMeter() as meter, live:
         row["seconds"] = _timed_step(model, step, setup.device)
     row["saved_gib"] = meter.peak_bytes / GIB
     if setup.device.type == "cuda":
         row["peak_gib"] = torch.cuda.max_memory_allocated(setup.device) / GIB
+    else:
+        row["peak_gib"] = (params_bytes + live.peak_bytes) / GIB
     return row
 
 
@@ -117,8 +124,7 @@ def measure(
     a first step (compilation included) is timed alone before, within warmup_limit_s (None: no limit).
 
     Returns {"status": ok | oom | timeout | error, "error": message or "", "seconds", "first_call_s",
-    "peak_gib", "saved_gib", "params_gib"}; the measured values are None where not measured (peak_gib
-    off CUDA, everything but status after a failure).
+    "peak_gib", "saved_gib", "params_gib"}; after a failure the measured values are None.
     """
     row = dict.fromkeys(("seconds", "first_call_s", "peak_gib", "saved_gib", "params_gib"))
     status, error = "ok", ""
