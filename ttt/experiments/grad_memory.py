@@ -3,12 +3,14 @@
     python -m ttt.experiments.grad_memory [key=value ...]       # keys: ttt.experiments.grad_memory_config
 
 For each point (backend, N, k, first/second order, inner-step checkpointing) it runs one full meta
-step of a causal transformer whose MLPs are adapted (`meta_step_probe`) and records peak memory,
-bytes saved for backward, the back-of-envelope prediction (`memory_model`), wall time, and whether
-it ran out of memory. Unattended runs are safe: a failed point is recorded (oom / timeout / error)
-and the larger points of its series (same backend, order and checkpointing, N and k at least as
-large) are skipped; results.csv is rewritten after every point; points that would start after
-`max_minutes` are skipped. At the end: table.md, results.json, environment.json and the plots.
+step of a workload (`workloads`: the maml_longctx transformer with adapted MLPs, or TTT-E2E) through
+`meta_step_probe` and records peak memory, bytes saved for backward, the back-of-envelope predictions
+of both (`memory_model`), wall time, and whether it ran out of memory. The first point of each
+(backend, order) pair also runs a warm-up step (compilation), timed apart. Unattended runs are safe:
+a failed point is recorded (oom / timeout / error) and the larger points of its series (same backend,
+order and checkpointing, N and k at least as large) are skipped; results.csv is rewritten after every
+point; points that would start after `max_minutes` are skipped. At the end: table.md, results.json,
+environment.json (written first) and the plots.
 """
 
 from __future__ import annotations
@@ -58,14 +60,11 @@ def blocked_by(point: Point, failed: list[Point]) -> Point | None:
 
 
 def resolve(cfg: GradMemoryConfig) -> ProbeSetup:
-    """The fixed part of every point: model config, device and dtype (auto resolved)."""
-    device = torch.device(
-        "cuda"
-        if cfg.device == "auto" and torch.cuda.is_available()
-        else "cpu"
-        if cfg.device == "auto"
-        else cfg.device
-    )
+    """The fixed part of every point: model config, adapted parameters, device and dtype (auto resolved)."""
+    if cfg.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(cfg.device)
     dtype = cfg.dtype if cfg.dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32")
     model = TransformerConfig(
         vocab_size=cfg.vocab_size,
@@ -151,8 +150,9 @@ def run(cfg: GradMemoryConfig) -> list[dict]:
             limit = left_s if cfg.point_time_limit_s is None else min(left_s, cfg.point_time_limit_s)
             warmup = (point.backend, point.order) not in warmed
             row.update(measure(setup, point, time_limit_s=limit, warmup=warmup, warmup_limit_s=left_s))
-            warmed.add((point.backend, point.order))
-            if row["status"] != "ok":
+            if row["status"] == "ok":
+                warmed.add((point.backend, point.order))
+            else:
                 failed[point] = row["status"]
         rows.append(row)
         print(report.progress_line(row), flush=True)

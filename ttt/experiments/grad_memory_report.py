@@ -84,56 +84,93 @@ def _memory(row: dict) -> float | None:
     return row["peak_gib"] if row["peak_gib"] is not None else row["saved_gib"]
 
 
-def headline(rows: list[dict]) -> list[str]:
-    """Findings as markdown bullets: reach and first OOM per backend, memory slopes, speed ratio."""
+def _series_name(k: int, order: str, ckpt: bool) -> str:
+    return f"k={k}, {order} order{', checkpointed' if ckpt else ''}"
+
+
+def _reach(rows: list[dict]) -> list[str]:
+    """Per series: the largest N that ran, the first N out of memory, FlashBoB's memory per token."""
     lines = []
-    series = sorted({(r["backend"], r["k"], r["order"], r["checkpoint"]) for r in rows})
-    for backend, k, order, ckpt in series:
+    for backend, k, order, ckpt in sorted(
+        {(r["backend"], r["k"], r["order"], r["checkpoint"]) for r in rows}
+    ):
         same = [
             r
             for r in rows
             if (r["backend"], r["k"], r["order"], r["checkpoint"]) == (backend, k, order, ckpt)
         ]
-        ok = sorted(r["n"] for r in same if r["status"] == "ok")
-        oom = sorted(r["n"] for r in same if r["status"] == "oom")
+        ok = [r["n"] for r in same if r["status"] == "ok"]
+        oom = [r["n"] for r in same if r["status"] == "oom"]
         if len(ok) + len(oom) < 2:
             continue
         line = (
-            f"- {backend}, k={k}, {order} order{', checkpointed' if ckpt else ''}: largest N that ran "
-            f"{max(ok) if ok else '-'}; first OOM at N={min(oom) if oom else '-'}"
+            f"- {backend}, {_series_name(k, order, ckpt)}: largest N that ran {max(ok, default='-')}; "
+            f"first OOM at N={min(oom, default='-')}"
         )
         fit = sorted((r["n"], _memory(r)) for r in _ok(same) if _memory(r) is not None)
         if len(fit) >= 2 and backend == "flashbob":
             (n0, m0), (n1, m1) = fit[-2], fit[-1]
             line += f"; memory slope {(m1 - m0) * 2**20 / (n1 - n0):.1f} KiB/token (N={n0}..{n1})"
         lines.append(line)
-    for backend, n, order, ckpt in sorted(
-        {(r["backend"], r["n"], r["order"], r["checkpoint"]) for r in rows}
-    ):
-        same = _ok(rows, backend=backend, n=n, order=order, checkpoint=ckpt)
+    return lines
+
+
+def _k_slopes(rows: list[dict]) -> list[str]:
+    """Memory per inner step (second order, stored steps) at each N with at least three k."""
+    lines = []
+    for backend, n in sorted({(r["backend"], r["n"]) for r in rows}):
+        same = _ok(rows, backend=backend, n=n, order="second", checkpoint=False)
         fit = sorted((r["k"], _memory(r)) for r in same if _memory(r) is not None)
-        if len(fit) >= 3 and order == "second" and not ckpt:
+        if len(fit) >= 3:
             (k0, m0), (k1, m1) = fit[0], fit[-1]
             lines.append(
                 f"- {backend}, N={n}: memory slope in k {(m1 - m0) / (k1 - k0):.3f} GiB per inner step "
                 f"({(m1 - m0) * 2**20 / (k1 - k0) / n:.1f} KiB/token; k={k0}..{k1})"
             )
+    return lines
+
+
+def _speed(rows: list[dict]) -> list[str]:
+    """Eager / FlashBoB time at the largest N both ran, per series."""
+    lines = []
     for k, order, ckpt in sorted({(r["k"], r["order"], r["checkpoint"]) for r in rows}):
-        both = {r["n"]: r for r in _ok(rows, backend="eager", k=k, order=order, checkpoint=ckpt)}
-        pairs = [
-            (n, both[n], r)
-            for n, r in (
-                (r["n"], r) for r in _ok(rows, backend="flashbob", k=k, order=order, checkpoint=ckpt)
-            )
-            if n in both
-        ]
-        if pairs and all(p[1]["seconds"] and p[2]["seconds"] for p in pairs):
-            n, eager, flash = max(pairs, key=lambda p: p[0])
+        eager = {r["n"]: r for r in _ok(rows, backend="eager", k=k, order=order, checkpoint=ckpt)}
+        flash = {r["n"]: r for r in _ok(rows, backend="flashbob", k=k, order=order, checkpoint=ckpt)}
+        both = [n for n in eager if n in flash and eager[n]["seconds"] and flash[n]["seconds"]]
+        if both:
+            n = max(both)
             lines.append(
-                f"- speed, k={k}, {order} order{', checkpointed' if ckpt else ''}: eager / flashbob "
-                f"time at N={n} (largest both ran) = {eager['seconds'] / flash['seconds']:.2f}"
+                f"- speed, {_series_name(k, order, ckpt)}: eager / flashbob time at N={n} "
+                f"(largest both ran) = {eager[n]['seconds'] / flash[n]['seconds']:.2f}"
             )
     return lines
+
+
+def _model_check(rows: list[dict]) -> list[str]:
+    """Per backend: measured / predicted peak and saved memory over the points that ran (no checkpointing)."""
+    lines = []
+    for backend in sorted({r["backend"] for r in rows}):
+        ratios = {}
+        for measured, predicted in (("peak_gib", "predicted_peak_gib"), ("saved_gib", "predicted_gib")):
+            ratios[measured] = sorted(
+                r[measured] / r[predicted]
+                for r in _ok(rows, backend=backend, checkpoint=False)
+                if r.get(measured) is not None and r.get(predicted)
+            )
+        if ratios["peak_gib"] and ratios["saved_gib"]:
+            peak, saved = ratios["peak_gib"], ratios["saved_gib"]
+            lines.append(
+                f"- model check, {backend}: measured / predicted peak {peak[len(peak) // 2]:.2f} "
+                f"(median; {peak[0]:.2f}-{peak[-1]:.2f}), saved {saved[len(saved) // 2]:.3f} "
+                f"({saved[0]:.3f}-{saved[-1]:.3f})"
+            )
+    return lines
+
+
+def headline(rows: list[dict]) -> list[str]:
+    """Findings as markdown bullets: reach and first OOM per series, memory slopes, speed ratios, and
+    how measured memory compares with the model."""
+    return _reach(rows) + _k_slopes(rows) + _speed(rows) + _model_check(rows)
 
 
 def progress_line(row: dict) -> str:
