@@ -15,4 +15,4 @@ class EpochEndCheckpoint(pl.Callback):
         self.path = Path(path)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        trainer.save_checkpoint(self.path)
+        trainer.save_checkpoint(self.path, weights_only=False)
