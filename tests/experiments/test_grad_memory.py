@@ -137,6 +137,20 @@ def test_failed_point_skips_the_larger_points_of_its_series(tmp_path, monkeypatc
     assert rows[("eager", 64, 1)] == rows[("eager", 16, 4)] == rows[("flashbob", 64, 4)] == "ok"
 
 
+def test_points_expected_to_overrun_the_budget_are_skipped(tmp_path, monkeypatch):
+    def fake_measure(setup, point, **limits):
+        return {"status": "ok", "seconds": (point.n / 16) ** 2}  # reported, not spent
+
+    monkeypatch.setattr(grad_memory, "measure", fake_measure)
+    sweeps = ["n_sweep.ns=[16,32,64,128]", "n_sweep.ks=[1]", "k_sweep.ns=[]", "first_order.ns=[]"]
+    overrides = [*TINY[:5], *sweeps, "checkpointed.ns=[]", "backends=[flashbob]", "max_minutes=0.2"]
+    statuses = [
+        r["status"] for r in grad_memory.run(load([*overrides, f"out={tmp_path}"], cuda_available=False))
+    ]
+    # N=64 is expected to take 4 x 4 s and N=128 16 x 4 s, with about 12 s of the budget left.
+    assert statuses == ["ok", "ok", "skipped (budget)", "skipped (budget)"]
+
+
 def test_out_of_memory_and_time_limit_are_recorded_not_raised(monkeypatch):
     setup = ProbeSetup(
         TransformerConfig(d_model=16, n_heads=2),

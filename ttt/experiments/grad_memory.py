@@ -9,7 +9,8 @@ of both (`memory_model`), wall time, and whether it ran out of memory. The first
 (backend, order) pair also runs a warm-up step (compilation), timed apart. Unattended runs are safe:
 a failed point is recorded (oom / timeout / error) and the larger points of its series (same backend,
 order and checkpointing, N and k at least as large) are skipped; results.csv is rewritten after every
-point; points that would start after `max_minutes` are skipped. At the end: table.md, results.json,
+point; points that would start after `max_minutes`, or whose expected time (`expected_seconds`)
+exceeds what is left of it, are skipped. At the end: table.md, results.json,
 environment.json (written first) and the plots.
 """
 
@@ -57,6 +58,24 @@ def blocked_by(point: Point, failed: list[Point]) -> Point | None:
         if same and bad.n <= point.n and bad.k <= point.k:
             return bad
     return None
+
+
+def expected_seconds(point: Point, rows: list[dict]) -> float:
+    """A pessimistic guess of the point's step time from the largest measured point of its series below
+    it: time grows as N^2 (attention) and as k + 1 (graphs); 0 when nothing is known."""
+    below = [
+        r
+        for r in rows
+        if r["status"] == "ok"
+        and r["seconds"]
+        and (r["backend"], r["order"], r["checkpoint"]) == (point.backend, point.order, point.checkpoint)
+        and r["n"] <= point.n
+        and r["k"] <= point.k
+    ]
+    if not below:
+        return 0.0
+    ref = max(below, key=lambda r: (r["n"], r["k"]))
+    return ref["seconds"] * (point.n / ref["n"]) ** 2 * (point.k + 1) / (ref["k"] + 1)
 
 
 def resolve(cfg: GradMemoryConfig) -> ProbeSetup:
@@ -144,7 +163,7 @@ def run(cfg: GradMemoryConfig) -> list[dict]:
         bad = blocked_by(point, list(failed))
         if bad is not None:
             row["status"] = f"skipped ({failed[bad]} at N={bad.n}, k={bad.k})"
-        elif left_s <= 0:
+        elif left_s <= 0 or expected_seconds(point, rows) > left_s:
             row["status"] = "skipped (budget)"
         else:
             limit = left_s if cfg.point_time_limit_s is None else min(left_s, cfg.point_time_limit_s)
