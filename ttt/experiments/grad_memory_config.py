@@ -17,7 +17,7 @@ from ttt.models import ATTENTION_BACKENDS
 from .workloads import WORKLOADS
 
 ORDERS = ("first", "second")
-SWEEPS = ("n_sweep", "k_sweep", "checkpointed", "first_order")
+SWEEPS = ("n_sweep", "checkpointed", "first_order", "k_sweep")
 """The grids, in the order they run (the most important first, in case the budget runs out)."""
 DTYPES = ("auto", "bf16", "fp16", "fp32")
 
