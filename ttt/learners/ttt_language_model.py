@@ -139,7 +139,12 @@ class TTTLanguageLearner(pl.LightningModule):
 
     def on_test_epoch_end(self) -> None:
         cfg = self.eval_cfg
-        mean = {mode: (s / self._position_count).cpu().numpy() for mode, s in self._position_sums.items()}
+        reduce = self.trainer.strategy.reduce  # sums over processes when the test set is shared out
+        count = reduce(torch.tensor(float(self._position_count), device=self.device), reduce_op="sum")
+        mean = {
+            mode: (reduce(total, reduce_op="sum") / count).cpu().numpy()
+            for mode, total in self._position_sums.items()
+        }
         late_from = int(len(next(iter(mean.values()))) * (1 - cfg.late_fraction))
         for mode, losses in mean.items():
             self.log(f"test/late_loss_{mode}", float(np.mean(losses[late_from:])))
