@@ -9,6 +9,7 @@ See `usage()` for the full text (it lists the recipes found under configs/).
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 import time
 import warnings
@@ -17,6 +18,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import OmegaConf
 
 from ttt.config import ConfigError, RecipeConfig, available_recipes, load_config, to_yaml
@@ -83,10 +86,34 @@ def prepare(argv: list[str]) -> tuple[RecipeConfig, RunPaths | None, Path | None
     return cfg, paths, checkpoint
 
 
+RUN_DIR_ENV = "TTT_RUN_DIR"
+"""Environment variable through which the launching process tells the processes that Lightning's ddp
+strategy starts for the other devices (they re-run the same command) which run directory it created."""
+
+
+def run_paths(cfg: RecipeConfig) -> RunPaths:
+    """The run directory of a new run: created by the launching process (global rank 0), found through
+    RUN_DIR_ENV by the other processes of a ddp run."""
+    if rank_zero_only.rank == 0:
+        paths = new_run_dir(cfg.run.root, cfg.run.name, cfg.recipe)
+        os.environ[RUN_DIR_ENV] = str(paths.root)
+        return paths
+    if RUN_DIR_ENV not in os.environ:
+        raise RuntimeError(
+            f"process of global rank {rank_zero_only.rank} has no {RUN_DIR_ENV}: start several devices "
+            "with trainer.devices=N (Lightning launches the other processes), not one command per process"
+        )
+    return RunPaths(Path(os.environ[RUN_DIR_ENV]))
+
+
 def make_trainer(cfg: RecipeConfig, paths: RunPaths, timer: OuterStepTimer) -> pl.Trainer:
     """The Lightning Trainer of a run: epochs of trainer.steps_per_epoch outer steps, validation and
-    an atomic last.ckpt after each epoch, CSV (and TensorBoard) logs in the run directory."""
+    an atomic last.ckpt after each epoch, CSV (and TensorBoard) logs in the run directory. With
+    several devices, Lightning's DDP strategy (gloo on CPU, NCCL on GPUs)."""
     tc = cfg.trainer
+    strategy = "auto"
+    if tc.strategy == "ddp" or tc.devices > 1:
+        strategy = DDPStrategy(find_unused_parameters=tc.find_unused_parameters)
     # One log version per session (logs/version_0, version_1 after a resume, ...): a logger reusing a
     # directory would delete the earlier metrics.
     loggers = [CSVLogger(save_dir=paths.root, name="logs")]
@@ -97,6 +124,9 @@ def make_trainer(cfg: RecipeConfig, paths: RunPaths, timer: OuterStepTimer) -> p
         max_epochs=-1,
         accelerator=tc.accelerator,
         devices=tc.devices,
+        strategy=strategy,
+        # The data modules give each process its own tasks (StepAlignedSampler, process_share).
+        use_distributed_sampler=False,
         precision=tc.precision,
         inference_mode=False,
         logger=loggers,
@@ -114,7 +144,8 @@ def make_trainer(cfg: RecipeConfig, paths: RunPaths, timer: OuterStepTimer) -> p
 def run(
     cfg: RecipeConfig, *, paths: RunPaths | None = None, checkpoint: Path | None = None
 ) -> dict[str, Any]:
-    """Build the recipe, fit (or continue from `checkpoint`), test, and write summary.json.
+    """Build the recipe, fit (or continue from `checkpoint`), test, and write summary.json (every
+    process of a ddp run calls this; only global rank 0 writes files).
 
     Returns the summary: test figures without their "test/" prefix (query_loss_unadapted,
     query_loss_adapted, query_acc_* where the task has an accuracy, ...), time_per_outer_step_s
@@ -127,8 +158,9 @@ def run(
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     module, data = load_builder(cfg.builder).build(cfg)
     if paths is None:
-        paths = new_run_dir(cfg.run.root, cfg.run.name, cfg.recipe)
-    atomic_write_text(paths.config, to_yaml(cfg))
+        paths = run_paths(cfg)
+    if rank_zero_only.rank == 0:
+        atomic_write_text(paths.config, to_yaml(cfg))
     timer = OuterStepTimer()
     trainer = make_trainer(cfg, paths, timer)
     trainer.fit(module, datamodule=data, ckpt_path=checkpoint)
@@ -148,7 +180,8 @@ def run(
         wall_time_s=time.perf_counter() - start,
         run_dir=str(paths.root),
     )
-    write_summary(paths.summary, summary)
+    if trainer.is_global_zero:
+        write_summary(paths.summary, summary)
     return summary
 
 
@@ -173,8 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     except FileExistsError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(format_summary_table(summary))
-    print(f"\nsummary written to {Path(summary['run_dir']) / 'summary.json'}")
+    if rank_zero_only.rank == 0:
+        print(format_summary_table(summary))
+        print(f"\nsummary written to {Path(summary['run_dir']) / 'summary.json'}")
     return 0
 
 

@@ -11,6 +11,19 @@ from dataclasses import dataclass, field
 
 OUTER_OPTIMIZERS = ("adamw", "adam", "sgd")
 SCHEDULERS = ("constant", "cosine", "linear")
+STRATEGIES = ("auto", "ddp")
+_SHARDING = (
+    " is not supported: sharded strategies gather a layer's parameters only inside the wrapped module's "
+    "own forward, while the inner loop calls the model through torch.func.functional_call with whole "
+    "adapted parameters and differentiates through the inner gradients (create_graph=True); "
+    "use trainer.strategy=ddp (every device holds the whole model)"
+)
+UNSUPPORTED_STRATEGIES = {
+    "fsdp": _SHARDING,
+    "deepspeed": _SHARDING,
+    "ddp_spawn": " is not supported: it pickles the data module, whose task samplers are closures; use ddp",
+}
+"""Why these Lightning strategies are refused (the config error's text)."""
 
 
 @dataclass
@@ -76,7 +89,11 @@ class TrainerConfig:
     accelerator: str = "auto"
     """Lightning accelerator: auto, cpu, gpu / cuda."""
     devices: int = 1
-    """Number of devices (meta_step is written for one device; several devices are untested)."""
+    """Number of devices (processes) on this machine; with several, meta_batch_size is per device."""
+    strategy: str = "auto"
+    """Lightning strategy: ddp (data parallel, one process per device) or auto (ddp when devices > 1)."""
+    find_unused_parameters: bool = False
+    """ddp only: allow trainable parameters that get no outer gradient in a step (slower)."""
     log_every_n_steps: int = 10
     """Write training metrics every this many outer steps."""
     progress_bar: bool = True
@@ -97,6 +114,18 @@ class TrainerConfig:
                 f"trainer.max_steps ({self.max_steps}) must be a multiple of trainer.steps_per_epoch "
                 f"({self.steps_per_epoch}): validation and resumable checkpoints happen at epoch ends"
             )
+        if self.strategy not in STRATEGIES:
+            if self.strategy in UNSUPPORTED_STRATEGIES:
+                raise ValueError(f"trainer.strategy={self.strategy}{UNSUPPORTED_STRATEGIES[self.strategy]}")
+            raise ValueError(f"trainer.strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        if self.devices > 1:
+            for name in ("val_tasks", "test_tasks"):
+                if getattr(self, name) % self.devices:
+                    raise ValueError(
+                        f"trainer.{name} ({getattr(self, name)}) must be a multiple of trainer.devices "
+                        f"({self.devices}): each process evaluates an equal share, and the shares' means are "
+                        "averaged"
+                    )
         if self.log_every_n_steps < 1:
             raise ValueError(f"trainer.log_every_n_steps must be >= 1, got {self.log_every_n_steps}")
         precisions = ("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true", "64")

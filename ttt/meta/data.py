@@ -5,9 +5,10 @@ arrays have the same shapes for every task (so that tasks stack into a meta-batc
 stream s under seed k is `sample(default_rng([k, s, i]))`: the same on every machine and run, and
 the training, validation and test streams never share a task.
 
-Outer step s reads training tasks [s * meta_batch_size, (s + 1) * meta_batch_size), so a run resumed
-from a checkpoint reads exactly the tasks the uninterrupted run would have read. The held-out sets
-are Hugging Face `datasets.Dataset`s.
+Outer step s reads training tasks [s * G, (s + 1) * G), G = meta_batch_size * world size, so a run
+resumed from a checkpoint reads exactly the tasks the uninterrupted run would have read, and P processes
+with meta_batch_size b read the tasks of one process with P * b (process r takes the r-th block of b).
+The held-out sets are Hugging Face `datasets.Dataset`s; each process evaluates its own contiguous share.
 """
 
 from __future__ import annotations
@@ -41,19 +42,50 @@ class SyntheticTasks(Dataset):
 
 
 class StepAlignedSampler(Sampler[int]):
-    """Task indices of consecutive outer steps: an epoch that starts after `done_steps()` outer steps
-    yields [done * batch_size, (done + steps_per_epoch) * batch_size). Tying the stream to the outer
-    step (not to Lightning's epoch counter) keeps it identical when a run is resumed."""
+    """Task indices of consecutive outer steps for process `rank` of `world_size`: outer step s reads
+    [s * G + rank * batch_size, s * G + (rank + 1) * batch_size) with G = world_size * batch_size, and an
+    epoch starts after `done_steps()` outer steps. Tying the stream to the outer step (not to Lightning's
+    epoch counter) keeps it identical when a run is resumed."""
 
-    def __init__(self, steps_per_epoch: int, batch_size: int, done_steps: Callable[[], int]):
+    def __init__(
+        self,
+        steps_per_epoch: int,
+        batch_size: int,
+        done_steps: Callable[[], int],
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
         self.steps_per_epoch, self.batch_size, self.done_steps = steps_per_epoch, batch_size, done_steps
+        self.rank, self.world_size = rank, world_size
 
     def __iter__(self) -> Iterator[int]:
-        start = self.done_steps() * self.batch_size
-        return iter(range(start, start + len(self)))
+        global_batch = self.world_size * self.batch_size
+        first_step = self.done_steps()
+        for step in range(first_step, first_step + self.steps_per_epoch):
+            start = step * global_batch + self.rank * self.batch_size
+            yield from range(start, start + self.batch_size)
 
     def __len__(self) -> int:
         return self.steps_per_epoch * self.batch_size
+
+
+def process_share(tasks: datasets.Dataset, *, rank: int, world_size: int) -> datasets.Dataset:
+    """The contiguous share of `tasks` evaluated by process `rank` of `world_size` (equal shares: the
+    count must be a multiple of world_size, so that averaging the processes' means is exact)."""
+    if len(tasks) % world_size:
+        raise ValueError(f"{len(tasks)} held-out items do not split evenly over {world_size} processes")
+    return tasks.shard(num_shards=world_size, index=rank, contiguous=True)
+
+
+def process_rank(module: pl.LightningDataModule) -> dict[str, int]:
+    """{"rank": global rank, "world_size": processes} of the trainer running `module` (rank 0 of 1
+    without a trainer): the keyword arguments of StepAlignedSampler and process_share."""
+    if module.trainer is None:
+        return {"rank": 0, "world_size": 1}
+    return {"rank": module.trainer.global_rank, "world_size": module.trainer.world_size}
 
 
 def held_out_tasks(sample: TaskSampler, *, seed: int, stream: int, count: int) -> datasets.Dataset:
@@ -90,7 +122,9 @@ class TaskDataModule(pl.LightningDataModule):
         return DataLoader(
             SyntheticTasks(self.sample, seed=self.seed, stream=TRAIN_STREAM),
             batch_size=self.meta_batch_size,
-            sampler=StepAlignedSampler(self.steps_per_epoch, self.meta_batch_size, self._done_steps),
+            sampler=StepAlignedSampler(
+                self.steps_per_epoch, self.meta_batch_size, self._done_steps, **process_rank(self)
+            ),
             num_workers=self.num_workers,
             drop_last=True,
         )
@@ -100,6 +134,7 @@ class TaskDataModule(pl.LightningDataModule):
 
     def _held_out_loader(self, stream: int, count: int) -> DataLoader:
         tasks = held_out_tasks(self.sample, seed=self.seed, stream=stream, count=count)
+        tasks = process_share(tasks, **process_rank(self))
         return DataLoader(tasks, batch_size=self.eval_batch_size, num_workers=self.num_workers)
 
     def val_dataloader(self) -> DataLoader:

@@ -12,7 +12,9 @@ Subclass it and define the two losses of one task:
 
 A batch is a dict of tensors with a leading task dimension; `split_tasks` turns it into one dict
 per task. Training uses manual optimization: `meta_step` (inner adaptation, outer loss, backward
-per task), outer gradient clipping, optimizer and scheduler step. Validation and test adapt too
+per task), outer gradient clipping, optimizer and scheduler step. Under DDP (trainer.strategy=ddp)
+each process takes its own tasks and the gradients are averaged once per outer step (`task_backward`);
+logged metrics are averaged over the processes. Validation and test adapt too
 (grad mode is switched on inside them; build the Trainer with inference_mode=False) and log the
 query loss and metrics without adaptation ("_unadapted") and after the inner steps ("_adapted").
 The query loss is the outer loss itself unless `outer_loss` reports a metric named "query_loss"
@@ -30,6 +32,8 @@ from torch import nn
 
 from ttt.config.schema import OuterOptimConfig
 from ttt.inner import InnerLoop, InnerLoopConfig, functional_forward, meta_step, select_parameters
+
+from .distributed import task_backward
 
 
 def lr_multiplier(step: int, *, cfg: OuterOptimConfig, total_steps: int) -> float:
@@ -86,7 +90,8 @@ class MetaLearner(pl.LightningModule):
         optimizer, scheduler = self.optimizers(), self.lr_schedulers()
         tasks = self.split_tasks(batch)
         optimizer.zero_grad()
-        result = meta_step(self, self.inner_loop, self.initial_params(), tasks, backward=self.manual_backward)
+        backward = task_backward(self, optimizer, len(tasks))
+        result = meta_step(self, self.inner_loop, self.initial_params(), tasks, backward=backward)
         if self.optim_cfg.grad_clip is not None:
             self.clip_gradients(
                 optimizer, gradient_clip_val=self.optim_cfg.grad_clip, gradient_clip_algorithm="norm"
@@ -101,7 +106,7 @@ class MetaLearner(pl.LightningModule):
             metrics["train/inner_loss_first"] = result.inner_losses[0]
             metrics["train/inner_loss_last"] = result.inner_losses[-1]
         metrics.update({f"train/{name}": value for name, value in result.metrics.items()})
-        self.log_dict(metrics, batch_size=len(tasks))
+        self.log_dict(metrics, batch_size=len(tasks), sync_dist=True)
         self.log("outer_loss", result.outer_loss, prog_bar=True, logger=False, batch_size=len(tasks))
         return result.outer_loss
 
@@ -129,12 +134,18 @@ class MetaLearner(pl.LightningModule):
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         metrics = self.evaluate(batch)
-        self.log_dict({f"val/{k}": v for k, v in metrics.items()}, batch_size=len(next(iter(batch.values()))))
+        self.log_dict(
+            {f"val/{k}": v for k, v in metrics.items()},
+            batch_size=len(next(iter(batch.values()))),
+            sync_dist=True,
+        )
 
     def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         metrics = self.evaluate(batch)
         self.log_dict(
-            {f"test/{k}": v for k, v in metrics.items()}, batch_size=len(next(iter(batch.values())))
+            {f"test/{k}": v for k, v in metrics.items()},
+            batch_size=len(next(iter(batch.values()))),
+            sync_dist=True,
         )
 
     def configure_optimizers(self) -> dict[str, Any]:

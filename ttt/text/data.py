@@ -13,6 +13,8 @@ from ttt.meta.data import (
     StepAlignedSampler,
     SyntheticTasks,
     held_out_tasks,
+    process_rank,
+    process_share,
 )
 
 from .corpus import TokenWindows
@@ -47,7 +49,9 @@ class TextDataModule(pl.LightningDataModule):
         return DataLoader(
             SyntheticTasks(self.windows["train"].sample, seed=self.seed, stream=TRAIN_STREAM),
             batch_size=self.batch_size,
-            sampler=StepAlignedSampler(self.steps_per_epoch, self.batch_size, self._done_steps),
+            sampler=StepAlignedSampler(
+                self.steps_per_epoch, self.batch_size, self._done_steps, **process_rank(self)
+            ),
             drop_last=True,
         )
 
@@ -56,6 +60,7 @@ class TextDataModule(pl.LightningDataModule):
 
     def _held_out(self, split: str, stream: int, count: int) -> DataLoader:
         sequences = held_out_tasks(self.windows[split].sample, seed=self.seed, stream=stream, count=count)
+        sequences = process_share(sequences, **process_rank(self))
         return DataLoader(sequences, batch_size=self.eval_batch_size)
 
     def val_dataloader(self) -> DataLoader:
