@@ -1,0 +1,127 @@
+"""Meta-training under Lightning's DDP strategy with 2 CPU processes (gloo on localhost), through the
+command line: P processes with meta_batch_size b reach the parameters of one process with P * b
+(second-order meta-gradients, float64, plain SGD so that a mis-scaled gradient shows), gradients are
+all-reduced once per outer step, metrics are averaged over the processes, and a resumed 2-process run
+reaches the uninterrupted state. Each run is a subprocess with one thread (a few seconds each)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+PROBE = Path(__file__).with_name("count_allreduce.py")
+TIMEOUT_S = 120
+
+COMMON = [
+    "trainer.max_steps=2",
+    "trainer.steps_per_epoch=1",
+    "trainer.val_tasks=4",
+    "trainer.test_tasks=4",
+    "trainer.eval_batch_size=1",
+    "trainer.log_every_n_steps=1",
+    "trainer.progress_bar=false",
+    "trainer.accelerator=cpu",
+    "trainer.precision=64-true",
+    "run.tensorboard=false",
+    "optim.name=sgd",
+    "optim.beta1=0",
+    "optim.lr=0.5",
+    "optim.grad_clip=null",
+    "optim.scheduler=constant",
+    "optim.warmup_steps=0",
+]
+DDP = ["trainer.strategy=ddp", "trainer.devices=2"]
+TINY_RECIPES = {
+    "maml_sinusoid": ["model.hidden_sizes=[8,8]", "inner.eval_steps=2"],
+    "maml_longctx": [
+        "model.d_model=32",
+        "model.n_heads=2",
+        "model.window=8",
+        "model.vocab_size=32",
+        "task.n_pairs=4",
+        "task.n_queries=3",
+        "task.n_keys=8",
+        "task.n_values=8",
+        "task.n_filler_tokens=4",
+        "task.filler_len=14",
+        "context.chunk_len=8",
+        "inner.steps=2",
+    ],
+}
+
+
+def launch(command: list[str], cwd: Path) -> None:
+    """Run `command` in `cwd` on localhost with one thread per process; fail with its output."""
+    env = {key: value for key, value in os.environ.items() if key not in ("MASTER_PORT", "TTT_RUN_DIR")}
+    env.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", PYTHONPATH=str(REPO))
+    done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 0, f"{command} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+
+
+def train(cwd: Path, recipe: str, name: str, *overrides: str) -> Path:
+    """`python -m ttt.train` of the tiny `recipe` into cwd/runs/name; returns the run directory."""
+    args = [f"recipe={recipe}", *TINY_RECIPES[recipe], *COMMON, f"run.name={name}", *overrides]
+    launch([sys.executable, "-m", "ttt.train", *args], cwd)
+    return cwd / "runs" / name
+
+
+def parameters(run: Path) -> dict[str, torch.Tensor]:
+    checkpoint = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
+    assert checkpoint["global_step"] == 2
+    return checkpoint["state_dict"]
+
+
+def train_losses(run: Path) -> list[float]:
+    """train/outer_loss of every outer step, as rank 0 logged it."""
+    lines = (run / "logs" / "version_0" / "metrics.csv").read_text().splitlines()
+    column = lines[0].split(",").index("train/outer_loss")
+    return [float(row.split(",")[column]) for row in lines[1:] if row.split(",")[column]]
+
+
+def assert_same_state(run: Path, reference: Path, tolerance: float = 1e-12) -> None:
+    got, want = parameters(run), parameters(reference)
+    assert got.keys() == want.keys()
+    for name in want:
+        assert got[name].dtype == torch.float64
+        torch.testing.assert_close(got[name], want[name], rtol=tolerance, atol=tolerance, msg=name)
+
+
+@pytest.mark.parametrize("recipe", ["maml_sinusoid", "maml_longctx"])
+def test_two_processes_reach_the_parameters_of_one_process_over_the_global_batch(recipe, tmp_path):
+    one = train(tmp_path, recipe, "one", "trainer.meta_batch_size=4")
+    two = train(tmp_path, recipe, "two", "trainer.meta_batch_size=2", *DDP)
+    assert_same_state(two, one)
+    # Metrics: the processes' means are averaged into the global batch's mean (up to the float32
+    # rounding of maml_longctx's cross-entropy, which the two runs sum in different orders).
+    assert train_losses(two) == pytest.approx(train_losses(one), rel=1e-6)
+    summaries = [json.loads((run / "summary.json").read_text()) for run in (one, two)]
+    for key in ("query_loss_unadapted", "query_loss_adapted"):
+        assert summaries[1][key] == pytest.approx(summaries[0][key], rel=1e-6)
+    # One run directory, written by rank 0 only.
+    assert sorted(path.name for path in (tmp_path / "runs").iterdir()) == ["one", "two"]
+    assert [path.name for path in (two / "logs").iterdir()] == ["version_0"]
+
+
+def test_gradients_are_all_reduced_once_per_outer_step(tmp_path):
+    counts = tmp_path / "counts.json"
+    args = ["recipe=maml_sinusoid", *TINY_RECIPES["maml_sinusoid"], *COMMON, *DDP]
+    args += ["trainer.meta_batch_size=3", "inner.steps=2", "run.name=probe"]
+    launch([sys.executable, str(PROBE), str(counts), *args], tmp_path)
+    # The tiny MLP fits one DDP bucket: one all-reduce per outer step, none per task or inner step.
+    assert json.loads(counts.read_text()) == [1, 1]
+
+
+def test_resumed_two_process_run_reaches_the_uninterrupted_state(tmp_path):
+    reference = train(tmp_path, "maml_sinusoid", "one", "trainer.meta_batch_size=4")
+    first = train(tmp_path, "maml_sinusoid", "two", "trainer.meta_batch_size=2", "trainer.max_steps=1", *DDP)
+    launch([sys.executable, "-m", "ttt.train", f"resume={first}", "trainer.max_steps=2"], tmp_path)
+    # Lightning restores the checkpoint into the float32 module before converting it to float64, so a
+    # resumed 64-true run continues from float32-rounded parameters (one process as well as two);
+    # a misaligned task stream or a lost optimizer step would differ by orders of magnitude more.
+    assert_same_state(first, reference, tolerance=1e-6)
+    assert [path.name for path in (first / "logs").iterdir()] == ["version_0", "version_1"]
