@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from ttt.config.schema import OuterOptimConfig
+from ttt.meta.distributed import task_backward
 from ttt.meta.module import lr_multiplier
 from ttt.text.long_context import (
     MODES,
@@ -89,9 +90,10 @@ class TTTLanguageLearner(pl.LightningModule):
         sequences = self.split_tasks(batch)
         optimizer.zero_grad()
         total = torch.zeros((), device=self.device)
+        backward = task_backward(self, optimizer, len(sequences))  # DDP: one all-reduce per outer step
         for sequence in sequences:  # one sequence's graph alive at a time
             loss = self.model.token_losses(sequence["tokens"], lr_scale=self.inner_lr_scale()).mean()
-            self.manual_backward(loss / len(sequences))
+            backward(loss / len(sequences))
             total += loss.detach() / len(sequences)
         if self.optim_cfg.grad_clip is not None:
             self.clip_gradients(
@@ -104,7 +106,7 @@ class TTTLanguageLearner(pl.LightningModule):
             "train/lr": torch.tensor(scheduler.get_last_lr()[0]),
             "train/inner_lr_scale": torch.tensor(self.inner_lr_scale()),
         }
-        self.log_dict(metrics, batch_size=len(sequences))
+        self.log_dict(metrics, batch_size=len(sequences), sync_dist=True)
         self.log("loss", total, prog_bar=True, logger=False, batch_size=len(sequences))
         return total
 
@@ -122,7 +124,9 @@ class TTTLanguageLearner(pl.LightningModule):
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         metrics = self.evaluate(batch)
-        self.log_dict({f"val/{k}": v for k, v in metrics.items()}, batch_size=len(batch["tokens"]))
+        self.log_dict(
+            {f"val/{k}": v for k, v in metrics.items()}, batch_size=len(batch["tokens"]), sync_dist=True
+        )
 
     def on_test_epoch_start(self) -> None:
         self._position_sums, self._position_count = {}, 0
@@ -135,6 +139,7 @@ class TTTLanguageLearner(pl.LightningModule):
         self.log_dict(
             {f"test/query_loss_{mode}": value.mean() for mode, value in losses.items()},
             batch_size=len(batch["tokens"]),
+            sync_dist=True,
         )
 
     def on_test_epoch_end(self) -> None:
