@@ -2,7 +2,8 @@
 command line: P processes with meta_batch_size b reach the parameters of one process with P * b
 (second-order meta-gradients, float64, plain SGD so that a mis-scaled gradient shows), gradients are
 all-reduced once per outer step, metrics are averaged over the processes, and a resumed 2-process run
-reaches the uninterrupted state. Each run is a subprocess with one thread (a few seconds each)."""
+reaches the uninterrupted state; for maml_sinusoid, maml_longctx and ttt_e2e at toy size. Each run is
+a subprocess with one thread per process (5-20 s each on 2 cores)."""
 
 import json
 import os
@@ -37,7 +38,7 @@ COMMON = [
 ]
 DDP = ["trainer.strategy=ddp", "trainer.devices=2"]
 TINY_RECIPES = {
-    "maml_sinusoid": ["model.hidden_sizes=[8,8]", "inner.eval_steps=2"],
+    "maml_sinusoid": ["model.hidden_sizes=[8,8]", "inner.steps=2", "inner.eval_steps=2"],
     "maml_longctx": [
         "model.d_model=32",
         "model.n_heads=2",
@@ -52,6 +53,19 @@ TINY_RECIPES = {
         "context.chunk_len=8",
         "inner.steps=2",
     ],
+    "ttt_e2e": [
+        "data.corpus=corpus",
+        "data.seq_len=48",
+        "data.held_out_every=3",
+        "model.d_model=32",
+        "model.n_heads=2",
+        "model.window=8",
+        "ttt.suffix_len=1",
+        "ttt.chunk_len=16",
+        "eval.passkey_lengths=[120]",
+        "eval.passkey_trials=2",
+        "eval.position_bins=4",
+    ],
 }
 
 
@@ -63,10 +77,22 @@ def launch(command: list[str], cwd: Path) -> None:
     assert done.returncode == 0, f"{command} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
 
 
-def train(cwd: Path, recipe: str, name: str, *overrides: str) -> Path:
-    """`python -m ttt.train` of the tiny `recipe` into cwd/runs/name; returns the run directory."""
+def write_corpus(folder: Path) -> None:
+    """Nine small text documents (ttt_e2e's data.corpus)."""
+    folder.mkdir(exist_ok=True)
+    for i in range(9):
+        (folder / f"doc{i}.txt").write_text(f"def f{i}(x):\n    return x * {i}\n" * (3 + i))
+
+
+def train(cwd: Path, recipe: str, name: str, *overrides: str, counts: Path | None = None) -> Path:
+    """`python -m ttt.train` of the tiny `recipe` into cwd/runs/name, or with `counts` the same through
+    count_allreduce.py, which writes the gradient all-reduces of each outer step there; returns the run
+    directory."""
+    if recipe == "ttt_e2e":
+        write_corpus(cwd / "corpus")
     args = [f"recipe={recipe}", *TINY_RECIPES[recipe], *COMMON, f"run.name={name}", *overrides]
-    launch([sys.executable, "-m", "ttt.train", *args], cwd)
+    entry = ["-m", "ttt.train"] if counts is None else [str(PROBE), str(counts)]
+    launch([sys.executable, *entry, *args], cwd)
     return cwd / "runs" / name
 
 
@@ -76,10 +102,10 @@ def parameters(run: Path) -> dict[str, torch.Tensor]:
     return checkpoint["state_dict"]
 
 
-def train_losses(run: Path) -> list[float]:
-    """train/outer_loss of every outer step, as rank 0 logged it."""
+def train_losses(run: Path, key: str) -> list[float]:
+    """Training loss `key` of every outer step, as rank 0 logged it."""
     lines = (run / "logs" / "version_0" / "metrics.csv").read_text().splitlines()
-    column = lines[0].split(",").index("train/outer_loss")
+    column = lines[0].split(",").index(key)
     return [float(row.split(",")[column]) for row in lines[1:] if row.split(",")[column]]
 
 
@@ -91,33 +117,44 @@ def assert_same_state(run: Path, reference: Path, tolerance: float = 1e-12) -> N
         torch.testing.assert_close(got[name], want[name], rtol=tolerance, atol=tolerance, msg=name)
 
 
-@pytest.mark.parametrize("recipe", ["maml_sinusoid", "maml_longctx"])
-def test_two_processes_reach_the_parameters_of_one_process_over_the_global_batch(recipe, tmp_path):
-    one = train(tmp_path, recipe, "one", "trainer.meta_batch_size=4")
-    two = train(tmp_path, recipe, "two", "trainer.meta_batch_size=2", *DDP)
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """recipe -> the run directory of one process with meta_batch_size 4 (run once per module)."""
+    cwd, runs = tmp_path_factory.mktemp("one_process"), {}
+
+    def run(recipe: str) -> Path:
+        if recipe not in runs:
+            runs[recipe] = train(cwd, recipe, recipe, "trainer.meta_batch_size=4")
+        return runs[recipe]
+
+    return run
+
+
+@pytest.mark.parametrize("recipe", ["maml_sinusoid", "maml_longctx", "ttt_e2e"])
+def test_two_processes_reach_the_parameters_of_one_process_over_the_global_batch(
+    recipe, one_process, tmp_path
+):
+    one = one_process(recipe)
+    counts = tmp_path / "allreduce_counts.json"
+    two = train(tmp_path, recipe, "two", "trainer.meta_batch_size=2", *DDP, counts=counts)
     assert_same_state(two, one)
+    # Each tiny model fits one DDP bucket: one all-reduce per outer step, none per task (2 per process)
+    # or inner step.
+    assert json.loads(counts.read_text()) == [1, 1]
     # Metrics: the processes' means are averaged into the global batch's mean (up to the float32
-    # rounding of maml_longctx's cross-entropy, which the two runs sum in different orders).
-    assert train_losses(two) == pytest.approx(train_losses(one), rel=1e-6)
+    # rounding of the language models' cross-entropy, which the two runs sum in different orders).
+    loss = "train/loss" if recipe == "ttt_e2e" else "train/outer_loss"
+    assert train_losses(two, loss) == pytest.approx(train_losses(one, loss), rel=1e-6)
     summaries = [json.loads((run / "summary.json").read_text()) for run in (one, two)]
     for key in ("query_loss_unadapted", "query_loss_adapted"):
         assert summaries[1][key] == pytest.approx(summaries[0][key], rel=1e-6)
     # One run directory, written by rank 0 only.
-    assert sorted(path.name for path in (tmp_path / "runs").iterdir()) == ["one", "two"]
+    assert [path.name for path in (tmp_path / "runs").iterdir()] == ["two"]
     assert [path.name for path in (two / "logs").iterdir()] == ["version_0"]
 
 
-def test_gradients_are_all_reduced_once_per_outer_step(tmp_path):
-    counts = tmp_path / "counts.json"
-    args = ["recipe=maml_sinusoid", *TINY_RECIPES["maml_sinusoid"], *COMMON, *DDP]
-    args += ["trainer.meta_batch_size=3", "inner.steps=2", "run.name=probe"]
-    launch([sys.executable, str(PROBE), str(counts), *args], tmp_path)
-    # The tiny MLP fits one DDP bucket: one all-reduce per outer step, none per task or inner step.
-    assert json.loads(counts.read_text()) == [1, 1]
-
-
-def test_resumed_two_process_run_reaches_the_uninterrupted_state(tmp_path):
-    reference = train(tmp_path, "maml_sinusoid", "one", "trainer.meta_batch_size=4")
+def test_resumed_two_process_run_reaches_the_uninterrupted_state(one_process, tmp_path):
+    reference = one_process("maml_sinusoid")
     first = train(tmp_path, "maml_sinusoid", "two", "trainer.meta_batch_size=2", "trainer.max_steps=1", *DDP)
     launch([sys.executable, "-m", "ttt.train", f"resume={first}", "trainer.max_steps=2"], tmp_path)
     # Lightning restores the checkpoint into the float32 module before converting it to float64, so a
