@@ -106,6 +106,15 @@ def run_paths(cfg: RecipeConfig) -> RunPaths:
     return RunPaths(Path(os.environ[RUN_DIR_ENV]))
 
 
+UNUSED_PARAMETERS_ERROR = "parameters that were not used in producing the loss"
+"""Part of the message of Lightning's DDP strategy when a trainable parameter got no gradient in a step."""
+UNUSED_PARAMETERS_HINT = (
+    "some trainable parameters got no outer gradient in an outer step (for example the inner learning "
+    "rates with inner.steps=0 or ttt.enabled=false), which DDP must be told: set "
+    "trainer.find_unused_parameters=true"
+)
+
+
 def make_trainer(cfg: RecipeConfig, paths: RunPaths, timer: OuterStepTimer) -> pl.Trainer:
     """The Lightning Trainer of a run: epochs of trainer.steps_per_epoch outer steps, validation and
     an atomic last.ckpt after each epoch, CSV (and TensorBoard) logs in the run directory. With
@@ -205,6 +214,11 @@ def main(argv: list[str] | None = None) -> int:
         summary = run(cfg, paths=paths, checkpoint=checkpoint)
     except FileExistsError as err:
         print(f"error: {err}", file=sys.stderr)
+        return 2
+    except RuntimeError as err:
+        if UNUSED_PARAMETERS_ERROR not in str(err):
+            raise
+        print(f"error: {UNUSED_PARAMETERS_HINT}", file=sys.stderr)
         return 2
     if rank_zero_only.rank == 0:
         print(format_summary_table(summary))
