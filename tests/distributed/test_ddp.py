@@ -69,12 +69,14 @@ TINY_RECIPES = {
 }
 
 
-def launch(command: list[str], cwd: Path) -> None:
-    """Run `command` in `cwd` on localhost with one thread per process; fail with its output."""
+def launch(command: list[str], cwd: Path, returncode: int = 0) -> str:
+    """Run `command` in `cwd` on localhost with one thread per process; fail with its output unless it
+    exits with `returncode`. Returns its stderr."""
     env = {key: value for key, value in os.environ.items() if key not in ("MASTER_PORT", "TTT_RUN_DIR")}
     env.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", PYTHONPATH=str(REPO))
     done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert done.returncode == 0, f"{command} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    assert done.returncode == returncode, f"{command}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done.stderr
 
 
 def write_corpus(folder: Path) -> None:
@@ -162,3 +164,12 @@ def test_resumed_two_process_run_reaches_the_uninterrupted_state(one_process, tm
     # a misaligned task stream or a lost optimizer step would differ by orders of magnitude more.
     assert_same_state(first, reference, tolerance=1e-6)
     assert [path.name for path in (first / "logs").iterdir()] == ["version_0", "version_1"]
+
+
+def test_parameters_without_outer_gradient_name_the_key_that_allows_them(tmp_path):
+    # With no inner step, the learnable inner learning rate gets no gradient.
+    args = ["recipe=maml_sinusoid", *TINY_RECIPES["maml_sinusoid"], *COMMON, *DDP, "run.name=unused"]
+    args += ["trainer.meta_batch_size=2", "inner.steps=0", "inner.learnable_lr=tensor"]
+    stderr = launch([sys.executable, "-m", "ttt.train", *args], tmp_path, returncode=2)
+    assert "error: some trainable parameters got no outer gradient" in stderr
+    assert "trainer.find_unused_parameters=true" in stderr
