@@ -116,7 +116,13 @@ def assert_same_state(run: Path, reference: Path, tolerance: float = 1e-12) -> N
     assert got.keys() == want.keys()
     for name in want:
         assert got[name].dtype == torch.float64
-        torch.testing.assert_close(got[name], want[name], rtol=tolerance, atol=tolerance, msg=name)
+        torch.testing.assert_close(
+            got[name],
+            want[name],
+            rtol=tolerance,
+            atol=tolerance,
+            msg=lambda text, name=name: f"{name}: {text}",
+        )
 
 
 @pytest.fixture(scope="module")
