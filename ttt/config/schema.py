@@ -77,7 +77,7 @@ class TrainerConfig:
     steps_per_epoch: int = 100
     """Outer steps between validations and checkpoints (one epoch); capped at max_steps."""
     meta_batch_size: int = 8
-    """Tasks per outer step."""
+    """Tasks per outer step and device (N devices: N x meta_batch_size tasks per outer step)."""
     val_tasks: int = 32
     """Held-out tasks evaluated at the end of each epoch."""
     test_tasks: int = 64
