@@ -185,7 +185,7 @@ def run(
         outer_steps=trainer.global_step,
         time_per_outer_step_s=timer.time_per_outer_step(),
         first_outer_step_s=timer.first_outer_step(),
-        peak_memory_gib=timer.peak_memory_gib(module.device),
+        peak_memory_gib=timer.peak_memory_gib,
         wall_time_s=time.perf_counter() - start,
         run_dir=str(paths.root),
     )

@@ -117,3 +117,17 @@ def test_summary_file_and_table(tmp_path):
     atomic_write_text(tmp_path / "note.txt", "hello")
     assert (tmp_path / "note.txt").read_text() == "hello"
     assert (tmp_path / "note.txt").stat().st_mode & 0o777 == 0o644
+
+
+def test_peak_memory_is_read_at_train_end(monkeypatch):
+    """Lightning moves the module back to the CPU after fit: the timer must read the peak before."""
+    import types
+
+    from ttt.tracking.timing import OuterStepTimer
+
+    timer = OuterStepTimer()
+    timer.on_train_end(None, types.SimpleNamespace(device=torch.device("cpu")))
+    assert timer.peak_memory_gib is None
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 3 * 2**30)
+    timer.on_train_end(None, types.SimpleNamespace(device=torch.device("cuda")))
+    assert timer.peak_memory_gib == 3.0

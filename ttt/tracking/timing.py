@@ -14,6 +14,8 @@ class OuterStepTimer(pl.Callback):
     def __init__(self, warmup: int = 1):
         self.warmup = warmup
         self.durations: list[float] = []
+        self.peak_memory_gib: float | None = None
+        """Peak allocated CUDA memory of training in GiB, read at train end (None off CUDA)."""
         self._start = 0.0
 
     def _sync(self, pl_module: pl.LightningModule) -> None:
@@ -41,9 +43,7 @@ class OuterStepTimer(pl.Callback):
         """Seconds of the first timed outer step (includes one-off costs such as kernel compilation)."""
         return self.durations[0] if self.durations else None
 
-    @staticmethod
-    def peak_memory_gib(device: torch.device) -> float | None:
-        """Peak allocated CUDA memory since fit start in GiB; None off CUDA."""
-        if device.type != "cuda":
-            return None
-        return torch.cuda.max_memory_allocated(device) / 2**30
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Read here: once fit returns, Lightning has moved the module back to the CPU.
+        if pl_module.device.type == "cuda":
+            self.peak_memory_gib = torch.cuda.max_memory_allocated(pl_module.device) / 2**30
