@@ -184,3 +184,11 @@ def test_out_of_memory_and_time_limit_are_recorded_not_raised(monkeypatch):
 def test_bad_overrides_are_errors_naming_the_key(override, message, capsys):
     assert grad_memory.main([override]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_help_lists_the_keys(capsys):
+    from ttt.experiments.grad_memory import main
+
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "max_minutes" in out and "backends" in out

@@ -16,6 +16,7 @@ environment.json (written first) and the plots.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -184,8 +185,16 @@ def run(cfg: GradMemoryConfig) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: parse key=value overrides, run the sweep; 2 on a bad override."""
+    argv = sys.argv[1:] if argv is None else argv
+    if any(arg in ("-h", "--help") for arg in argv):
+        print(__doc__)
+        print("Keys (key=value; each is documented in ttt/experiments/grad_memory_config.py):")
+        for field in dataclasses.fields(GradMemoryConfig):
+            default = "" if field.default is dataclasses.MISSING else f" = {field.default!r}"
+            print(f"  {field.name}{default}")
+        return 0
     try:
-        cfg = load(sys.argv[1:] if argv is None else argv, cuda_available=torch.cuda.is_available())
+        cfg = load(argv, cuda_available=torch.cuda.is_available())
     except ValueError as err:
         print(f"grad_memory: {err}", file=sys.stderr)
         return 2
