@@ -56,14 +56,7 @@ def build(cfg: Config) -> tuple[ContextLearner, TaskDataModule]:
         context_len=cfg.task.context_len,
         chunks=cfg.context,
     )
-    data = TaskDataModule(
-        lambda rng: sample_kv_recall(cfg.task, rng),
-        seed=cfg.seed,
-        meta_batch_size=cfg.trainer.meta_batch_size,
-        steps_per_epoch=cfg.trainer.steps_per_epoch,
-        val_tasks=cfg.trainer.val_tasks,
-        test_tasks=cfg.trainer.test_tasks,
-        eval_batch_size=cfg.trainer.eval_batch_size,
-        num_workers=cfg.trainer.num_workers,
+    data = TaskDataModule.from_trainer(
+        lambda rng: sample_kv_recall(cfg.task, rng), seed=cfg.seed, trainer=cfg.trainer
     )
     return learner, data

@@ -27,14 +27,7 @@ class Config(RecipeConfig):
 def build(cfg: Config) -> tuple[RegressionLearner, TaskDataModule]:
     """The learner (a fresh MLP) and the task stream of `cfg`."""
     learner = RegressionLearner(MLP(cfg.model), cfg.inner, cfg.optim, cfg.trainer.max_steps)
-    data = TaskDataModule(
-        lambda rng: sample_sinusoid(cfg.task, rng),
-        seed=cfg.seed,
-        meta_batch_size=cfg.trainer.meta_batch_size,
-        steps_per_epoch=cfg.trainer.steps_per_epoch,
-        val_tasks=cfg.trainer.val_tasks,
-        test_tasks=cfg.trainer.test_tasks,
-        eval_batch_size=cfg.trainer.eval_batch_size,
-        num_workers=cfg.trainer.num_workers,
+    data = TaskDataModule.from_trainer(
+        lambda rng: sample_sinusoid(cfg.task, rng), seed=cfg.seed, trainer=cfg.trainer
     )
     return learner, data

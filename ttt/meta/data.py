@@ -118,6 +118,20 @@ class TaskDataModule(pl.LightningDataModule):
         self.val_tasks, self.test_tasks, self.eval_batch_size = val_tasks, test_tasks, eval_batch_size
         self.num_workers = num_workers
 
+    @classmethod
+    def from_trainer(cls, sample: TaskSampler, *, seed: int, trainer) -> TaskDataModule:
+        """The data module whose batch sizes and held-out set sizes are those of a `TrainerConfig`."""
+        return cls(
+            sample,
+            seed=seed,
+            meta_batch_size=trainer.meta_batch_size,
+            steps_per_epoch=trainer.steps_per_epoch,
+            val_tasks=trainer.val_tasks,
+            test_tasks=trainer.test_tasks,
+            eval_batch_size=trainer.eval_batch_size,
+            num_workers=trainer.num_workers,
+        )
+
     def train_dataloader(self) -> DataLoader:
         return DataLoader(
             SyntheticTasks(self.sample, seed=self.seed, stream=TRAIN_STREAM),
