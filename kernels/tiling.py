@@ -22,13 +22,16 @@ def block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def _cuda_default(kernel: str, bd: int) -> tuple[int, int, int, int]:
+def _cuda_default(kernel: str, bd: int, itemsize: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a CUDA launch, from the H200 sweep recorded in
     docs/kernel_notes.md (bf16, N=16384, causal, head dims 64 and 128). Four warps (one warpgroup)
     win everywhere: eight split the row sums of a tile across warpgroups. Head dim 256 takes the
-    smallest tiles, for the registers."""
+    smallest tiles, for the registers; in float32 its BoB columns kernel also halves the query tile:
+    at BLOCK_M 32 it asked for 228 KiB of shared memory and Triton refused it (the H200 has 227)."""
     if bd > 128:
-        return (64, 32, 4, 2) if kernel == "forward" else (32, 32, 4, 1)
+        if kernel == "forward":
+            return (64, 32, 4, 2)
+        return (16, 32, 4, 1) if kernel == "bob_cols" and itemsize > 2 else (32, 32, 4, 1)
     if kernel == "forward":
         return (64, 64, 4, 3)
     if kernel in ("backward_kv", "backward_q"):
@@ -48,7 +51,7 @@ def choose(kernel: str, q: torch.Tensor, **flags) -> dict:
     """Launch settings for `kernel` (one of KERNELS) with inputs like q (B, H, N, D):
     BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages."""
     bd = block_d(q.shape[-1])
-    bm, bn, warps, stages = _cuda_default(kernel, bd) if q.is_cuda else (16, 16, 1, 1)
+    bm, bn, warps, stages = _cuda_default(kernel, bd, q.element_size()) if q.is_cuda else (16, 16, 1, 1)
     cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_D": bd, "num_warps": warps, "num_stages": stages}
     cfg.update(_overrides.get(kernel, {}))
     return cfg

@@ -153,6 +153,18 @@ def test_clip_by_global_norm():
     assert g.abs().item() > 0
 
 
+def test_clip_by_global_norm_per_row_clips_each_row_as_on_its_own():
+    torch.manual_seed(0)
+    scale = torch.tensor([0.01, 1.0, 10.0])
+    grads = {"a": torch.randn(3, 4, 5) * scale[:, None, None], "b": torch.randn(3, 7) * scale[:, None]}
+    rows = clip_by_global_norm(grads, 1.0, per_row=True)
+    for i in range(3):
+        alone = clip_by_global_norm({n: g[i] for n, g in grads.items()}, 1.0)
+        for name in grads:
+            torch.testing.assert_close(rows[name][i], alone[name], rtol=1e-6, atol=0)
+    torch.testing.assert_close(rows["a"][0], grads["a"][0])  # the small row is left alone
+
+
 def test_select_parameters_and_its_error():
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     assert list(select_parameters(model, ["1.*"])) == ["1.weight", "1.bias"]

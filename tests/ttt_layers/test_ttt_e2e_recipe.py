@@ -71,8 +71,20 @@ def test_full_attention_baseline_without_ttt_runs(tiny_ttt_e2e, tmp_path):
     assert not (tmp_path / "runs" / "base" / "passkey.csv").exists()
 
 
+def test_reading_a_batch_in_several_passes_trains_the_same(tiny_ttt_e2e, tmp_path):
+    """ttt.sequences_per_pass only trades memory for speed: one pass per sequence gives the same run."""
+    summaries = []
+    for per_pass in ("null", "1"):
+        assert main([*tiny_ttt_e2e, f"run.name=p{per_pass}", f"ttt.sequences_per_pass={per_pass}"]) == 0
+        summaries.append(json.loads((tmp_path / "runs" / f"p{per_pass}" / "summary.json").read_text()))
+    for key in ("query_loss_adapted", "query_loss_unadapted", "late_loss_adapted"):
+        assert summaries[1][key] == pytest.approx(summaries[0][key], rel=1e-5)
+
+
 def test_ttt_e2e_config_errors_name_the_key(tiny_ttt_e2e):
     with pytest.raises(ValueError, match="ttt.chunk_len"):
         load_config([*tiny_ttt_e2e, "ttt.chunk_len=0"])
+    with pytest.raises(ValueError, match="ttt.sequences_per_pass"):
+        load_config([*tiny_ttt_e2e, "ttt.sequences_per_pass=0"])
     with pytest.raises(ValueError, match="did you mean 'suffix_len'"):
         load_config([*tiny_ttt_e2e, "ttt.sufix_len=2"])

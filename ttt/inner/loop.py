@@ -26,11 +26,16 @@ class Adaptation:
     """The inner loss before each step, detached scalars (one per step)."""
 
 
-def clip_by_global_norm(grads: Mapping[str, torch.Tensor], max_norm: float) -> dict[str, torch.Tensor]:
-    """Scale all grads by min(1, max_norm / ||grads||) (global L2 norm); differentiable, no in-place ops."""
-    total = torch.sqrt(sum(g.float().square().sum() for g in grads.values()))
+def clip_by_global_norm(
+    grads: Mapping[str, torch.Tensor], max_norm: float, *, per_row: bool = False
+) -> dict[str, torch.Tensor]:
+    """Scale all grads by min(1, max_norm / ||grads||) (global L2 norm); differentiable, no in-place ops.
+    per_row: the grads are (B, ...), one problem per row (a sequence's own fast weights), and each row
+    gets its own norm and factor."""
+    start = 1 if per_row else 0
+    total = torch.sqrt(sum(g.float().square().flatten(start).sum(-1) for g in grads.values()))
     factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    return {n: g * factor.to(g.dtype) for n, g in grads.items()}
+    return {n: g * factor.view(factor.shape + (1,) * (g.dim() - start)).to(g.dtype) for n, g in grads.items()}
 
 
 class InnerLoop(nn.Module):

@@ -40,7 +40,8 @@ def make_outer_optimizer(params: list[torch.nn.Parameter], cfg: OuterOptimConfig
 
 
 class TTTLanguageLearner(pl.LightningModule):
-    """Batches are {"tokens": (B, N) int64}; each sequence is read (and adapted to) on its own."""
+    """Batches are {"tokens": (B, N) int64}; each sequence adapts its own fast weights, and
+    ttt.sequences_per_pass of them are read side by side."""
 
     def __init__(
         self,
@@ -64,8 +65,11 @@ class TTTLanguageLearner(pl.LightningModule):
         return self.model.initial_fast_weights()
 
     def split_tasks(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-        """A batch {"tokens": (B, N)} -> one {"tokens": (1, N)} per sequence (each adapts on its own)."""
-        return [{"tokens": row[None]} for row in batch["tokens"]]
+        """A batch {"tokens": (B, N)} -> the passes {"tokens": (P, N)}, P = ttt.sequences_per_pass rows
+        each (the last may have fewer)."""
+        tokens = batch["tokens"]
+        per_pass = self.model.ttt_cfg.sequences_per_pass or len(tokens)
+        return [{"tokens": rows} for rows in tokens.split(per_pass)]
 
     def inner_lr_scale(self) -> float:
         """Inner learning-rate warm-up factor at the current outer step."""
@@ -74,27 +78,34 @@ class TTTLanguageLearner(pl.LightningModule):
     def read(
         self, tokens: torch.Tensor, adapt: bool, keep_logits: bool = True
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """Evaluation reading of one sequence (1, N): (logits (1, N, V), or None without keep_logits,
-        losses (N - 1,)), detached. adapt=True adapts only when ttt.enabled."""
+        """Evaluation reading of sequences (B, N), ttt.sequences_per_pass at a time: (logits (B, N, V),
+        or None without keep_logits, losses (B, N - 1)), detached. adapt=True adapts only when
+        ttt.enabled."""
+        logits, losses = [], []
         with torch.enable_grad():
-            return self.model.read(
-                tokens,
-                adapt=adapt and self.model.ttt_cfg.enabled,
-                lr_scale=self.inner_lr_scale(),
-                outer_grad=False,
-                keep_logits=keep_logits,
-            )
+            for rows in self.split_tasks({"tokens": tokens}):
+                pass_logits, pass_losses = self.model.read(
+                    rows["tokens"],
+                    adapt=adapt and self.model.ttt_cfg.enabled,
+                    lr_scale=self.inner_lr_scale(),
+                    outer_grad=False,
+                    keep_logits=keep_logits,
+                )
+                logits.append(pass_logits)
+                losses.append(pass_losses)
+        return (torch.cat(logits) if keep_logits else None), torch.cat(losses)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         optimizer, scheduler = self.optimizers(), self.lr_schedulers()
-        sequences = self.split_tasks(batch)
+        passes, n_sequences = self.split_tasks(batch), len(batch["tokens"])
         optimizer.zero_grad()
         total = torch.zeros((), device=self.device)
-        backward = task_backward(self, optimizer, len(sequences))  # DDP: one all-reduce per outer step
-        for sequence in sequences:  # one sequence's graph alive at a time
-            loss = self.model.token_losses(sequence["tokens"], lr_scale=self.inner_lr_scale()).mean()
-            backward(loss / len(sequences))
-            total += loss.detach() / len(sequences)
+        backward = task_backward(self, optimizer, len(passes))  # DDP: one all-reduce per outer step
+        for rows in passes:  # one pass's graph alive at a time
+            losses = self.model.token_losses(rows["tokens"], lr_scale=self.inner_lr_scale())
+            loss = losses.mean(1).sum() / n_sequences  # this pass's share of the batch mean
+            backward(loss)
+            total += loss.detach()
         if self.optim_cfg.grad_clip is not None:
             self.clip_gradients(
                 optimizer, gradient_clip_val=self.optim_cfg.grad_clip, gradient_clip_algorithm="norm"
@@ -103,20 +114,17 @@ class TTTLanguageLearner(pl.LightningModule):
         scheduler.step()
         metrics = {
             "train/loss": total,
-            "train/lr": torch.tensor(scheduler.get_last_lr()[0]),
-            "train/inner_lr_scale": torch.tensor(self.inner_lr_scale()),
+            "train/lr": scheduler.get_last_lr()[0],  # floats: NCCL cannot reduce a CPU tensor
+            "train/inner_lr_scale": self.inner_lr_scale(),
         }
-        self.log_dict(metrics, batch_size=len(sequences), sync_dist=True)
-        self.log("loss", total, prog_bar=True, logger=False, batch_size=len(sequences))
+        self.log_dict(metrics, batch_size=n_sequences, sync_dist=True)
+        self.log("loss", total, prog_bar=True, logger=False, batch_size=n_sequences)
         return total
 
     def position_losses(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Per-position losses (B, N - 1) of a held-out batch, with ("adapted") and without TTT."""
-        sequences = self.split_tasks(batch)
-        return {
-            mode: torch.stack([self.read(seq["tokens"], adapt, keep_logits=False)[1] for seq in sequences])
-            for mode, adapt in MODES.items()
-        }
+        tokens = batch["tokens"]
+        return {mode: self.read(tokens, adapt, keep_logits=False)[1] for mode, adapt in MODES.items()}
 
     def evaluate(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Mean loss of a held-out batch: query_loss_adapted / _unadapted (every position is a query)."""

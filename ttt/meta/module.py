@@ -100,7 +100,7 @@ class MetaLearner(pl.LightningModule):
         scheduler.step()
         metrics = {
             "train/outer_loss": result.outer_loss,
-            "train/lr": torch.tensor(scheduler.get_last_lr()[0]),
+            "train/lr": scheduler.get_last_lr()[0],  # a float: NCCL cannot reduce a CPU tensor
         }
         if result.inner_losses.numel():
             metrics["train/inner_loss_first"] = result.inner_losses[0]

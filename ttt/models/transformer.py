@@ -100,7 +100,8 @@ class TransformerConfig:
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, computed in float32. x: (..., dim) -> same shape and dtype."""
+    """x / rms(x) * weight, computed in float32. x: (..., dim) -> same shape and dtype. Through
+    functional_call the weight may also be (B, dim), one per sequence of x (B, N, dim)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -110,7 +111,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
+        weight = self.weight if self.weight.dim() == 1 else self.weight[:, None]  # (B, dim): one per sequence
+        return weight * normed.to(x.dtype)
 
 
 def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -119,6 +121,17 @@ def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device: torch.device
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
+
+
+def project(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """layer(x) for x (B, N, in) -> (B, N, out), also when functional_call has given the layer one weight
+    per sequence: weight (B, out, in) and bias (B, out) instead of (out, in) and (out,). Test-time
+    training uses that to read several sequences at once, each with its own fast weights."""
+    weight, bias = layer.weight, layer.bias
+    if weight.dim() == 2:
+        return F.linear(x, weight, bias)
+    out = torch.bmm(x, weight.transpose(1, 2))
+    return out if bias is None else out + bias[:, None]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -141,14 +154,24 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * cfg.head_size, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.project_qkv(x, cos, sin)
+        out = attention(q, k, v, backend=self.cfg.attention, causal=True, window=self.cfg.window)
+        return self.project_out(out)
+
+    def project_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x (B, N, d) -> q (B, n_heads, N, head_dim) and k, v (B, kv_heads, N, head_dim), RoPE applied
+        to q and k with the tables cos, sin (N, head_dim)."""
         batch, seq, _ = x.shape
         cfg = self.cfg
-        q = self.wq(x).view(batch, seq, cfg.n_heads, cfg.head_size).transpose(1, 2)
-        k = self.wk(x).view(batch, seq, cfg.kv_heads, cfg.head_size).transpose(1, 2)
-        v = self.wv(x).view(batch, seq, cfg.kv_heads, cfg.head_size).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attention(q, k, v, backend=cfg.attention, causal=True, window=cfg.window)
-        return self.wo(out.transpose(1, 2).reshape(batch, seq, cfg.n_heads * cfg.head_size))
+        q = project(self.wq, x).view(batch, seq, cfg.n_heads, cfg.head_size).transpose(1, 2)
+        k = project(self.wk, x).view(batch, seq, cfg.kv_heads, cfg.head_size).transpose(1, 2)
+        v = project(self.wv, x).view(batch, seq, cfg.kv_heads, cfg.head_size).transpose(1, 2)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def project_out(self, out: torch.Tensor) -> torch.Tensor:
+        """Attention output (B, n_heads, N, head_dim) -> (B, N, d_model) through wo."""
+        batch, heads, seq, head_dim = out.shape
+        return project(self.wo, out.transpose(1, 2).reshape(batch, seq, heads * head_dim))
 
 
 class SwiGLU(nn.Module):
@@ -161,7 +184,7 @@ class SwiGLU(nn.Module):
         self.w_down = nn.Linear(d_ff, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+        return project(self.w_down, F.silu(project(self.w_gate, x)) * project(self.w_up, x))
 
 
 class Block(nn.Module):

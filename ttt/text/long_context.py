@@ -2,9 +2,9 @@
 position, and passkey retrieval accuracy by context length. Written to the run directory as CSV,
 JSON and PNG plots.
 
-Every function takes `read(tokens, adapt) -> (logits or None, losses)`, the reading of one sequence
-(1, N) by the model under test (adapt=False: the same model without test-time training).
-"""
+Every function takes `read(tokens, adapt) -> (logits or None, losses)`, the reading of sequences
+(B, N) by the model under test, each on its own (adapt=False: the same model without test-time
+training)."""
 
 from __future__ import annotations
 
@@ -73,19 +73,18 @@ def passkey_accuracy(
     rows = []
     for length in cfg.passkey_lengths:
         row = {"length": length}
+        samples = [
+            sample_passkey(tokenizer, length, cfg.passkey_digits, np.random.default_rng([seed, length, t]))
+            for t in range(cfg.passkey_trials)
+        ]
+        tokens = torch.from_numpy(np.stack([sample["tokens"] for sample in samples])).to(device)
+        # every trial of a length asks at the same positions: the last answer-length ones
+        positions = torch.from_numpy(np.flatnonzero(samples[0]["answer_mask"])).to(device)
         for mode, adapt in MODES.items():
-            exact, right = [], []
-            for trial in range(cfg.passkey_trials):
-                sample = sample_passkey(
-                    tokenizer, length, cfg.passkey_digits, np.random.default_rng([seed, length, trial])
-                )
-                tokens = torch.from_numpy(sample["tokens"]).to(device)[None]
-                logits, _ = read(tokens, adapt)
-                positions = torch.from_numpy(np.flatnonzero(sample["answer_mask"])).to(device)
-                hits = logits[0, positions].argmax(-1) == tokens[0, positions + 1]
-                exact.append(float(hits.all()))
-                right.append(hits.float().mean().item())
-            row[f"exact_{mode}"], row[f"token_{mode}"] = float(np.mean(exact)), float(np.mean(right))
+            logits, _ = read(tokens, adapt)
+            hits = logits[:, positions].argmax(-1) == tokens[:, positions + 1]  # (trials, answer length)
+            row[f"exact_{mode}"] = hits.all(1).float().mean().item()
+            row[f"token_{mode}"] = hits.float().mean().item()
         rows.append(row)
     return rows
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from ttt.models.attention import attention
-from ttt.models.transformer import Block, RMSNorm, SwiGLU, TransformerConfig, apply_rope
+from ttt.models.transformer import Block, RMSNorm, SwiGLU, TransformerConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor] | None
 """Keys (RoPE applied) and values of the most recent positions, each (B, n_kv_heads, M, head_dim)."""
@@ -17,7 +17,8 @@ class SuffixBlock(nn.Module):
     """Same parameters and computation as `Block` (it takes over the block's modules, so parameter
     names stay layers.{i}.attn.wq.weight etc.), plus, with an extra MLP,
     x + ttt_mlp(ttt_norm(x)) between attention and the block's MLP. The extra MLP's output projection
-    starts at zero, so a fresh SuffixBlock computes exactly what the block did."""
+    starts at zero, so a fresh SuffixBlock computes exactly what the block did. Through functional_call
+    any of its weights may carry a leading batch dim, one per sequence (see `project`)."""
 
     def __init__(self, block: Block, cfg: TransformerConfig, extra_hidden: int | None):
         super().__init__()
@@ -45,19 +46,13 @@ class SuffixBlock(nn.Module):
     def attend(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache):
         """Attention of the chunk x (B, C, d) over the cache and itself; cos, sin (C, head_dim) are the
         RoPE tables of the chunk's absolute positions. Returns ((B, C, d), the cache for the next chunk)."""
-        batch, seq, _ = x.shape
-        cfg, attn = self.cfg, self.attn
-        q = attn.wq(x).view(batch, seq, cfg.n_heads, cfg.head_size).transpose(1, 2)
-        k = attn.wk(x).view(batch, seq, cfg.kv_heads, cfg.head_size).transpose(1, 2)
-        v = attn.wv(x).view(batch, seq, cfg.kv_heads, cfg.head_size).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = self.attn.project_qkv(x, cos, sin)
         if cache is not None:
             k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
-        out = attention(q, k, v, backend=cfg.attention, causal=True, window=cfg.window)
+        out = attention(q, k, v, backend=self.cfg.attention, causal=True, window=self.cfg.window)
         keep = self.kept_keys()
         first = 0 if keep is None else max(0, k.shape[2] - keep)
-        out = attn.wo(out.transpose(1, 2).reshape(batch, seq, cfg.n_heads * cfg.head_size))
-        return out, (k[:, :, first:], v[:, :, first:])
+        return self.attn.project_out(out), (k[:, :, first:], v[:, :, first:])
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache = None):
         """One chunk: x (B, C, d_model) -> ((B, C, d_model), the key/value cache for the next chunk)."""

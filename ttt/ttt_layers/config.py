@@ -25,6 +25,10 @@ class TTTConfig:
     """Outer steps over which the inner learning rate rises linearly to its full value."""
     lr_warmup_start: float = 0.1
     """Fraction of the inner learning rate at outer step 0 of the warm-up (TTT-E2E: 0.1)."""
+    sequences_per_pass: int | None = None
+    """Sequences of a batch read side by side in one pass, each with its own fast weights; the training
+    graph of one pass is alive at a time, so fewer bounds memory and more launch fewer, larger kernels.
+    null: the whole batch."""
 
     def __post_init__(self):
         if self.suffix_len < 1:
@@ -37,6 +41,10 @@ class TTTConfig:
             raise ValueError(f"ttt.chunk_len must be a positive int, got {self.chunk_len}")
         if self.lr_warmup_steps < 0:
             raise ValueError(f"ttt.lr_warmup_steps must be >= 0, got {self.lr_warmup_steps}")
+        if self.sequences_per_pass is not None and self.sequences_per_pass < 1:
+            raise ValueError(
+                f"ttt.sequences_per_pass must be a positive int or null, got {self.sequences_per_pass}"
+            )
         if not 0 <= self.lr_warmup_start <= 1:
             raise ValueError(f"ttt.lr_warmup_start must be in [0, 1], got {self.lr_warmup_start}")
 

@@ -11,7 +11,8 @@ Reading one sequence (TTT-E2E, arXiv 2512.23675):
 
 The outer gradient differentiates through every update (second order unless inner.first_order),
 hence through the suffix attention: that is backward-over-backward of attention (FlashBoB).
-Each sequence of a batch gets its own fast weights (rows are read one after another).
+Each sequence of a batch gets its own fast weights: the rows are read side by side, the fast weights
+carrying a leading batch dim (B, ...), and each row's inner loss, gradient and clipping are its own.
 
 Parameter names are those of `Transformer`, plus layers.{i}.ttt_norm.weight and
 layers.{i}.ttt_mlp.{w_gate,w_up,w_down}.weight in the suffix blocks with ttt.extra_mlp, and the
@@ -105,34 +106,32 @@ class TTTTransformer(nn.Module):
         return h @ self.embed.weight.t() if self.lm_head is None else self.lm_head(h)
 
     def _suffix_chunk(self, fast, hidden, targets, cos, sin, caches):
-        """Suffix blocks and head on one chunk with fast weights `fast`: (logits (1, C, V), per-token
-        losses (T,) for the first T = len(targets) positions, caches for the next chunk)."""
+        """Suffix blocks and head on one chunk (B, C, d_model) of every sequence with their fast weights
+        `fast` (each (B, ...)): (logits (B, C, V), per-token losses (B, T) of the first
+        T = targets.shape[1] positions, caches for the next chunk)."""
         x, new_caches = hidden, []
         for block, names, cache in zip(self.suffix, self.block_params, caches):
             params = {inside: fast[full] for full, inside in names}
             x, cache = functional_call(block, params, (x, cos, sin, cache), strict=False)
             new_caches.append(cache)
         logits = self.head(x)
-        scored = logits[0, : targets.shape[0]]
+        scored = logits[:, : targets.shape[1]].flatten(0, 1)
         losses = F.cross_entropy(
-            scored.to(torch.promote_types(scored.dtype, torch.float32)), targets, reduction="none"
+            scored.to(torch.promote_types(scored.dtype, torch.float32)), targets.flatten(), reduction="none"
         )
-        return logits, losses, new_caches
+        return logits, losses.view(targets.shape), new_caches
 
     def _read_chunk(
         self, fast, state, lrs, hidden, targets, cos, sin, caches, steps, create_graph, keep_logits
     ):
-        """Score one chunk with `fast`, then take `steps` inner steps on its mean loss.
-        Returns (logits or None, per-token losses (T,), caches, updated fast weights, optimizer state)."""
-        logits, losses, new_caches = self._suffix_chunk(fast, hidden, targets, cos, sin, caches)
+        """Score one chunk with `fast`, then take `steps` inner steps on each sequence's mean loss over it.
+        Returns (logits or None, per-token losses (B, T), caches, updated fast weights, optimizer state)."""
+        logits, scored, new_caches = self._suffix_chunk(fast, hidden, targets, cos, sin, caches)
         if targets.numel() == 0:
             steps = 0
         for step in range(steps):
-            loss = (
-                losses.mean()
-                if step == 0
-                else self._suffix_chunk(fast, hidden, targets, cos, sin, caches)[1].mean()
-            )
+            losses = scored if step == 0 else self._suffix_chunk(fast, hidden, targets, cos, sin, caches)[1]
+            loss = losses.mean(1).sum()  # rows are independent: each row's grad is that of its own mean
             grads = torch.autograd.grad(
                 loss,
                 list(fast.values()),
@@ -142,9 +141,9 @@ class TTTTransformer(nn.Module):
             )
             grads = dict(zip(fast, grads))
             if self.inner_cfg.grad_clip is not None:
-                grads = clip_by_global_norm(grads, self.inner_cfg.grad_clip)
+                grads = clip_by_global_norm(grads, self.inner_cfg.grad_clip, per_row=True)
             fast, state = self.inner.optimizer.step(fast, grads, state, lrs)
-        return (logits if keep_logits else None), losses, new_caches, fast, state
+        return (logits if keep_logits else None), scored, new_caches, fast, state
 
     def read(
         self,
@@ -157,14 +156,14 @@ class TTTTransformer(nn.Module):
         outer_grad: bool = True,
         keep_logits: bool = False,
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """Read one sequence tokens (1, N) chunk by chunk. Returns (logits (1, N, V) or None unless
-        keep_logits, next-token losses (N - 1,)).
+        """Read the sequences tokens (B, N) chunk by chunk, side by side, each adapting its own fast
+        weights. Returns (logits (B, N, V) or None unless keep_logits, next-token losses (B, N - 1)).
 
         adapt: update the fast weights (default ttt.enabled); steps: inner steps per chunk (default
         inner.steps); first_order: default inner.first_order; lr_scale multiplies the inner learning
         rates (warm-up); outer_grad=False detaches every chunk (evaluation: memory stays flat).
         """
-        n = tokens.shape[1]
+        batch, n = tokens.shape
         adapt = self.ttt_cfg.enabled if adapt is None else adapt
         steps = (self.inner_cfg.steps if steps is None else steps) if adapt else 0
         create_graph = outer_grad and not (self.inner_cfg.first_order if first_order is None else first_order)
@@ -175,13 +174,13 @@ class TTTTransformer(nn.Module):
             hidden = self.embed(tokens)
             for block in self.layers[: self.first_suffix]:
                 hidden = block(hidden, cos, sin)
-        fast = self.initial_fast_weights()
+        fast = {name: p.expand(batch, *p.shape) for name, p in self.initial_fast_weights().items()}
         lrs = {
             name: lr.to(fast[name].dtype) * lr_scale if torch.is_tensor(lr) else lr * lr_scale
             for name, lr in self.inner.learning_rates().items()
         }
         if not outer_grad:
-            fast = {name: p.detach().requires_grad_() for name, p in fast.items()}
+            fast = {name: p.detach().requires_grad_() for name, p in fast.items()}  # a leaf, still expanded
             lrs = {name: lr.detach() if torch.is_tensor(lr) else lr for name, lr in lrs.items()}
         state = self.inner.optimizer.init(fast)
         caches, all_logits, all_losses = [None] * len(self.suffix), [], []
@@ -193,7 +192,7 @@ class TTTTransformer(nn.Module):
                 state,
                 lrs,
                 hidden[:, start:end],
-                tokens[0, start + 1 : end + 1],
+                tokens[:, start + 1 : end + 1],
                 cos[start:end],
                 sin[start:end],
                 caches,
@@ -212,21 +211,19 @@ class TTTTransformer(nn.Module):
                 state = _detached(state)
             all_logits.append(logits)
             all_losses.append(losses)
-        return (torch.cat(all_logits, dim=1) if keep_logits else None), torch.cat(all_losses)
+        return (torch.cat(all_logits, dim=1) if keep_logits else None), torch.cat(all_losses, dim=1)
 
     def token_losses(self, tokens: torch.Tensor, **options) -> torch.Tensor:
         """Next-token losses of every position, tokens (B, N) int64 -> (B, N - 1) float32; options as
         in `read`. Its mean is the meta-training objective."""
         _check_tokens(tokens)
-        return torch.stack([self.read(tokens[i : i + 1], **options)[1] for i in range(tokens.shape[0])])
+        return self.read(tokens, **options)[1]
 
     def forward(self, tokens: torch.Tensor, **options) -> torch.Tensor:
         """tokens (B, N) int64 -> logits (B, N, vocab_size), reading with test-time training (options as in
         `read`)."""
         _check_tokens(tokens)
-        return torch.cat(
-            [self.read(tokens[i : i + 1], keep_logits=True, **options)[0] for i in range(len(tokens))]
-        )
+        return self.read(tokens, keep_logits=True, **options)[0]
 
 
 def _check_tokens(tokens: torch.Tensor) -> None:
