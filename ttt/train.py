@@ -13,6 +13,7 @@ import os
 import sys
 import time
 import warnings
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +131,7 @@ def make_trainer(cfg: RecipeConfig, paths: RunPaths, timer: OuterStepTimer) -> p
         loggers.append(TensorBoardLogger(save_dir=paths.root, name="tensorboard"))
     return pl.Trainer(
         max_steps=tc.max_steps,
+        max_time=None if tc.max_minutes is None else timedelta(minutes=tc.max_minutes),
         max_epochs=-1,
         accelerator=tc.accelerator,
         devices=tc.devices,

@@ -55,6 +55,7 @@ def test_mistyped_keys_suggest_the_close_match_and_list_the_valid_keys():
         ("inner.optimizer=rmsprop", "inner.optimizer"),
         ("model.window=64", "task.filler_len"),
         ("trainer.max_steps=250", "multiple of trainer.steps_per_epoch"),
+        ("trainer.max_minutes=0", "trainer.max_minutes"),
         ("builder=maml_sinusoid", "builder"),
         ("inner.params=[nothing.*]", "nothing"),
     ],

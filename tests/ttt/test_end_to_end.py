@@ -27,6 +27,13 @@ def test_tiny_recipe_run_writes_the_run_directory(recipe, tiny_overrides, tmp_pa
     assert not list(run.rglob("*.tmp"))
 
 
+def test_time_limit_stops_training_then_tests(tiny_overrides, tmp_path):
+    limited = ["trainer.max_steps=50", "trainer.steps_per_epoch=50", "trainer.max_minutes=0.0001"]
+    assert main(tiny_overrides("maml_sinusoid", "run.name=timed", *limited)) == 0
+    summary = json.loads((tmp_path / "timed" / "summary.json").read_text())
+    assert 1 <= summary["outer_steps"] < 50 and "query_loss_adapted" in summary
+
+
 def test_existing_run_directory_is_not_overwritten(tiny_overrides, tmp_path):
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "file").write_text("x")

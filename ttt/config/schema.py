@@ -74,6 +74,9 @@ class TrainerConfig:
 
     max_steps: int = 300
     """Outer (meta) optimizer steps."""
+    max_minutes: float | None = None
+    """Stop training after this many minutes even before max_steps (Lightning's max_time), then test;
+    the summary's outer_steps says how far it got. null: no time limit."""
     steps_per_epoch: int = 100
     """Outer steps between validations and checkpoints (one epoch); capped at max_steps."""
     meta_batch_size: int = 8
@@ -105,6 +108,8 @@ class TrainerConfig:
         for name in ("max_steps", "steps_per_epoch", "meta_batch_size", "eval_batch_size", "devices"):
             if getattr(self, name) < 1:
                 raise ValueError(f"trainer.{name} must be a positive int, got {getattr(self, name)}")
+        if self.max_minutes is not None and self.max_minutes <= 0:
+            raise ValueError(f"trainer.max_minutes must be > 0 or null, got {self.max_minutes}")
         for name in ("val_tasks", "test_tasks", "num_workers"):
             if getattr(self, name) < 0:
                 raise ValueError(f"trainer.{name} must be >= 0, got {getattr(self, name)}")
