@@ -23,7 +23,9 @@ CANDIDATES = {
     "forward": [(128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3)],
     "backward_kv": [(64, 64, 4, 2), (64, 64, 8, 2), (32, 64, 4, 2), (64, 128, 8, 2), (128, 64, 8, 2)],
     "backward_q": [(64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 2), (128, 32, 8, 2)],
-    "bob_rows": [(64, 32, 4, 2), (64, 64, 4, 2), (128, 32, 8, 2), (128, 64, 8, 2), (64, 32, 4, 3)],
+    "bob_rows": [(64, 32, 4, 2), (64, 64, 4, 2), (128, 32, 8, 2), (128, 64, 8, 2), (64, 32, 4, 3),
+                 # a fifth entry sets SPLIT: one launch with smaller row tiles, against the default
+                 (32, 32, 4, 2, False), (32, 64, 4, 2, False), (32, 32, 4, 3, False), (32, 64, 4, 3, False)],
     "bob_cols": [(64, 64, 4, 2), (32, 64, 4, 2), (64, 128, 8, 2), (128, 64, 8, 2), (64, 32, 4, 2)],
 }
 
@@ -91,8 +93,9 @@ def sweep_head_dim(args, d: int) -> None:
     }
     for kernel in args.kernels.split(","):
         stage = "forward" if kernel == "forward" else "backward" if "backward" in kernel else "bob"
-        for bm, bn, warps, num_stages in CANDIDATES[kernel]:
+        for bm, bn, warps, num_stages, *split in CANDIDATES[kernel]:
             settings = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=num_stages)
+            settings.update({"SPLIT": split[0]} if split else {})
             try:
                 with tiling.override(kernel, **settings):
                     ms = time_ms(stages[stage], budget_s=0.5)

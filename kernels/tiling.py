@@ -42,24 +42,27 @@ def _cuda_default(kernel: str, bd: int, itemsize: int) -> tuple[int, int, int, i
 
 
 def split_bob_rows(head_dim: int) -> bool:
-    """Whether the BoB rows kernel runs as two launches (Q̄, then dŌ): above head dim 64 its three
-    (BLOCK_M, D) float32 accumulators would spill registers. The interpreter follows the same rule."""
+    """Whether the BoB rows kernel runs as two launches (Q̄, then dŌ) by default: above head dim 64 its
+    three (64, D) float32 accumulators would spill registers. The interpreter follows the same rule."""
     return block_d(head_dim) > 64
 
 
 def choose(kernel: str, q: torch.Tensor, **flags) -> dict:
     """Launch settings for `kernel` (one of KERNELS) with inputs like q (B, H, N, D):
-    BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages."""
+    BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages, and for bob_rows SPLIT (two launches or one)."""
     bd = block_d(q.shape[-1])
     bm, bn, warps, stages = _cuda_default(kernel, bd, q.element_size()) if q.is_cuda else (16, 16, 1, 1)
     cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_D": bd, "num_warps": warps, "num_stages": stages}
+    if kernel == "bob_rows":
+        cfg["SPLIT"] = split_bob_rows(q.shape[-1])
     cfg.update(_overrides.get(kernel, {}))
     return cfg
 
 
 @contextlib.contextmanager
 def override(kernel: str, **settings):
-    """Within the block, launch `kernel` with `settings` (e.g. BLOCK_M=128, num_warps=8)."""
+    """Within the block, launch `kernel` with `settings` (e.g. BLOCK_M=128, num_warps=8; for bob_rows
+    also SPLIT=False, one launch)."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     previous = _overrides.get(kernel)

@@ -131,6 +131,7 @@ def bob(q, k, v, out, lse, dout, dq, u_q, u_k, u_v, *, causal: bool, window: int
         HEAD_DIM=d, PRECISION=_precision(q.dtype),
     )
     cfg = tiling.choose("bob_rows", q, **flags)
+    split = cfg.pop("SPLIT")
     rows_args = (
         q, k, v, out, dout, dq, u_q_, u_k_, u_v_, lse, delta, grad_q, grad_dout, row_c, row_e,
         *_strides(q), *_strides(k), *_strides(v), *_strides(out), *_strides(dout), *_strides(dq),
@@ -139,7 +140,7 @@ def bob(q, k, v, out, lse, dout, dq, u_q, u_k, u_v, *, causal: bool, window: int
     )
     rows_grid = (triton.cdiv(n, cfg["BLOCK_M"]), batch * heads_q)
     # Q̄ with c and e first, then dŌ (in one launch where the accumulators fit the registers).
-    passes = ((True, False), (False, True)) if tiling.split_bob_rows(d) else ((True, True),)
+    passes = ((True, False), (False, True)) if split else ((True, True),)
     for want_gq, want_gdo in passes:
         attention_bob_rows_kernel[rows_grid](*rows_args, **common, WANT_GQ=want_gq, WANT_GDO=want_gdo, **cfg)
     cfg = tiling.choose("bob_cols", q, **flags)

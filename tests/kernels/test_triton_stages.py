@@ -134,3 +134,13 @@ def test_gpu_tile_shapes(case, block_m, block_n):
         for kernel in tiling.KERNELS:
             stack.enter_context(tiling.override(kernel, BLOCK_M=block_m, BLOCK_N=block_n))
         test_stages_match_float64(case, torch.float32)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one_launch", "two_launches"])
+@pytest.mark.parametrize(
+    "case", [Case(1, 2, 1, 37, 63, 48, causal=True), Case(1, 2, 2, 45, 45, 80)], ids=lambda c: c.id
+)
+def test_bob_rows_in_one_or_two_launches(case, split):
+    """The BoB rows kernel's two modes, each at a head dim whose default is the other one."""
+    with tiling.override("bob_rows", SPLIT=split, BLOCK_M=32 if case.d > 64 else 16, BLOCK_N=16):
+        test_stages_match_float64(case, torch.float32)
