@@ -174,6 +174,9 @@ def run(
         atomic_write_text(paths.config, to_yaml(cfg))
     timer = OuterStepTimer()
     trainer = make_trainer(cfg, paths, timer)
+    # Lightning restores a checkpoint before it casts the module to the precision's dtype: cast first,
+    # or a float64 run would resume from float32-rounded parameters.
+    module = trainer.strategy.precision_plugin.convert_module(module)
     trainer.fit(module, datamodule=data, ckpt_path=checkpoint)
     if cfg.trainer.test_tasks:
         trainer.test(module, datamodule=data, verbose=False)

@@ -57,8 +57,16 @@ class _CrashAtEpoch(pl.Callback):
             raise _Crash
 
 
-def test_interrupted_and_resumed_run_reaches_the_uninterrupted_state(tiny_overrides, tmp_path, monkeypatch):
-    four_steps = ["trainer.max_steps=4", "trainer.steps_per_epoch=2", "inner.learnable_lr=tensor"]
+@pytest.mark.parametrize("precision", ["32-true", "64-true"])
+def test_interrupted_and_resumed_run_reaches_the_uninterrupted_state(
+    precision, tiny_overrides, tmp_path, monkeypatch
+):
+    four_steps = [
+        "trainer.max_steps=4",
+        "trainer.steps_per_epoch=2",
+        "inner.learnable_lr=tensor",
+        f"trainer.precision={precision}",
+    ]
     assert main(tiny_overrides("maml_longctx", "run.name=straight", *four_steps)) == 0
 
     def crashing_trainer(*args, **kwargs):
