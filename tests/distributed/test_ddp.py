@@ -165,10 +165,7 @@ def test_resumed_two_process_run_reaches_the_uninterrupted_state(one_process, tm
     reference = one_process("maml_sinusoid")
     first = train(tmp_path, "maml_sinusoid", "two", "trainer.meta_batch_size=2", "trainer.max_steps=1", *DDP)
     launch([sys.executable, "-m", "ttt.train", f"resume={first}", "trainer.max_steps=2"], tmp_path)
-    # Lightning restores the checkpoint into the float32 module before converting it to float64, so a
-    # resumed 64-true run continues from float32-rounded parameters (one process as well as two);
-    # a misaligned task stream or a lost optimizer step would differ by orders of magnitude more.
-    assert_same_state(first, reference, tolerance=1e-6)
+    assert_same_state(first, reference)
     assert sorted(path.name for path in (first / "logs").iterdir()) == ["version_0", "version_1"]
 
 
