@@ -1,14 +1,15 @@
 """Text pieces of the long-context recipes: tokenizers, local corpora through `datasets`, token windows,
-passkey sequences and the loss-by-position binning."""
+passkey sequences and scoring, and the loss-by-position binning."""
 
 import importlib.util
 import json
 
 import numpy as np
 import pytest
+import torch
 
 from ttt.text.corpus import TextDataConfig, TokenWindows, corpus_files, load_documents, split_windows
-from ttt.text.long_context import LongContextEvalConfig, bin_positions
+from ttt.text.long_context import LongContextEvalConfig, bin_positions, passkey_accuracy
 from ttt.text.passkey import sample_passkey
 from ttt.text.tokenizer import ByteTokenizer, load_tokenizer
 
@@ -103,6 +104,38 @@ def test_passkey_sequence_hides_the_key_and_marks_the_answer():
     assert bytes(tokens[answer_positions + 1].astype(np.uint8)).decode() == key
     with pytest.raises(ValueError, match="too short"):
         sample_passkey(tokenizer, 40, 5, np.random.default_rng(0))
+
+
+class _ZeroIsTwoTokens(ByteTokenizer):
+    """Bytes, except that the digit 0 takes two tokens: keys then differ in token count."""
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.concatenate([[48, 48] if ch == "0" else ByteTokenizer.encode(self, ch) for ch in text])
+
+
+def test_passkey_accuracy_scores_each_trial_on_its_own_answer():
+    tokenizer = _ZeroIsTwoTokens()
+    cfg = LongContextEvalConfig(passkey_lengths=[200], passkey_trials=6, passkey_digits=4)
+    samples = [sample_passkey(tokenizer, 200, 4, np.random.default_rng([0, 200, t])) for t in range(6)]
+    masks = torch.from_numpy(np.stack([sample["answer_mask"] for sample in samples]))
+    answer_lengths = masks.sum(1)
+    assert len(set(answer_lengths.tolist())) > 1  # the trials' answers differ in token count
+
+    def read(tokens, adapt):
+        """Adapted: right on each trial's own answer positions only, except trial 0's last answer
+        token; unadapted: wrong everywhere."""
+        right = torch.nn.functional.one_hot(torch.roll(tokens, -1, dims=1), 256).float()
+        wrong = right.roll(1, dims=-1)
+        if not adapt:
+            return wrong, None
+        logits = torch.where(masks[..., None], right, wrong)
+        logits[0, -2] = wrong[0, -2]
+        return logits, None
+
+    (row,) = passkey_accuracy(read, tokenizer, cfg, seed=0, device=torch.device("cpu"))
+    assert row["exact_adapted"] == pytest.approx(5 / 6) and row["exact_unadapted"] == 0
+    first = 1 - 1 / answer_lengths[0].item()
+    assert row["token_adapted"] == pytest.approx((5 + first) / 6) and row["token_unadapted"] == 0
 
 
 def test_loss_by_position_bins():

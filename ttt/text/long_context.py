@@ -78,13 +78,14 @@ def passkey_accuracy(
             for t in range(cfg.passkey_trials)
         ]
         tokens = torch.from_numpy(np.stack([sample["tokens"] for sample in samples])).to(device)
-        # every trial of a length asks at the same positions: the last answer-length ones
-        positions = torch.from_numpy(np.flatnonzero(samples[0]["answer_mask"])).to(device)
+        masks = np.stack([sample["answer_mask"] for sample in samples])  # keys may differ in token count
+        first = int(np.flatnonzero(masks.any(0))[0])  # answers sit at the end: score from here on
+        scored = torch.from_numpy(masks[:, first:-1]).to(device)  # (trials, L - 1 - first)
         for mode, adapt in MODES.items():
             logits, _ = read(tokens, adapt)
-            hits = logits[:, positions].argmax(-1) == tokens[:, positions + 1]  # (trials, answer length)
-            row[f"exact_{mode}"] = hits.all(1).float().mean().item()
-            row[f"token_{mode}"] = hits.float().mean().item()
+            hits = logits[:, first:-1].argmax(-1) == tokens[:, first + 1 :]
+            row[f"exact_{mode}"] = (hits | ~scored).all(1).float().mean().item()
+            row[f"token_{mode}"] = ((hits & scored).sum(1) / scored.sum(1)).mean().item()
         rows.append(row)
     return rows
 
