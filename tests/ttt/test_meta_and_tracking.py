@@ -10,7 +10,7 @@ from torch import nn
 from ttt.config import OuterOptimConfig
 from ttt.inner import InnerLoopConfig
 from ttt.meta import MetaLearner
-from ttt.meta.module import lr_multiplier
+from ttt.meta.outer import lr_multiplier
 from ttt.tracking import AtomicCheckpointIO, atomic_write_text, format_summary_table, write_summary
 
 

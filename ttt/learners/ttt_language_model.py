@@ -17,7 +17,7 @@ import torch
 
 from ttt.config.schema import OuterOptimConfig
 from ttt.meta.distributed import task_backward
-from ttt.meta.module import lr_multiplier
+from ttt.meta.outer import outer_optimizers, outer_update
 from ttt.text.long_context import (
     MODES,
     LongContextEvalConfig,
@@ -27,16 +27,6 @@ from ttt.text.long_context import (
 )
 from ttt.text.tokenizer import Tokenizer
 from ttt.ttt_layers import TTTTransformer
-
-
-def make_outer_optimizer(params: list[torch.nn.Parameter], cfg: OuterOptimConfig) -> torch.optim.Optimizer:
-    """The optimizer named by optim.name over `params`."""
-    betas = (cfg.beta1, cfg.beta2)
-    if cfg.name == "adamw":
-        return torch.optim.AdamW(params, lr=cfg.lr, betas=betas, weight_decay=cfg.weight_decay)
-    if cfg.name == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr, betas=betas, weight_decay=cfg.weight_decay)
-    return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.beta1, weight_decay=cfg.weight_decay)
 
 
 class TTTLanguageLearner(pl.LightningModule):
@@ -106,17 +96,8 @@ class TTTLanguageLearner(pl.LightningModule):
             loss = losses.mean(1).sum() / n_sequences  # this pass's share of the batch mean
             backward(loss)
             total += loss.detach()
-        if self.optim_cfg.grad_clip is not None:
-            self.clip_gradients(
-                optimizer, gradient_clip_val=self.optim_cfg.grad_clip, gradient_clip_algorithm="norm"
-            )
-        optimizer.step()
-        scheduler.step()
-        metrics = {
-            "train/loss": total,
-            "train/lr": scheduler.get_last_lr()[0],  # floats: NCCL cannot reduce a CPU tensor
-            "train/inner_lr_scale": self.inner_lr_scale(),
-        }
+        lr = outer_update(self, optimizer, scheduler, self.optim_cfg)
+        metrics = {"train/loss": total, "train/lr": lr, "train/inner_lr_scale": self.inner_lr_scale()}
         self.log_dict(metrics, batch_size=n_sequences, sync_dist=True)
         self.log("loss", total, prog_bar=True, logger=False, batch_size=n_sequences)
         return total
@@ -170,8 +151,5 @@ class TTTLanguageLearner(pl.LightningModule):
             write_long_context_report(Path(self.trainer.default_root_dir), position_rows, passkey_rows)
 
     def configure_optimizers(self) -> dict[str, Any]:
-        optimizer = make_outer_optimizer([p for p in self.parameters() if p.requires_grad], self.optim_cfg)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: lr_multiplier(step, cfg=self.optim_cfg, total_steps=self.total_steps)
-        )
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        trainable = [p for p in self.parameters() if p.requires_grad]
+        return outer_optimizers(trainable, self.optim_cfg, self.total_steps)

@@ -23,7 +23,6 @@ The query loss is the outer loss itself unless `outer_loss` reports a metric nam
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import lightning.pytorch as pl
@@ -34,17 +33,7 @@ from ttt.config.schema import OuterOptimConfig
 from ttt.inner import InnerLoop, InnerLoopConfig, functional_forward, meta_step, select_parameters
 
 from .distributed import task_backward
-
-
-def lr_multiplier(step: int, *, cfg: OuterOptimConfig, total_steps: int) -> float:
-    """Factor applied to optim.lr at outer step `step`: linear warm-up, then the configured decay."""
-    if step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
-    if cfg.scheduler == "constant":
-        return 1.0
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
-    decay = 1.0 - progress if cfg.scheduler == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
-    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * decay
+from .outer import outer_optimizers, outer_update
 
 
 class MetaLearner(pl.LightningModule):
@@ -92,16 +81,8 @@ class MetaLearner(pl.LightningModule):
         optimizer.zero_grad()
         backward = task_backward(self, optimizer, len(tasks))
         result = meta_step(self, self.inner_loop, self.initial_params(), tasks, backward=backward)
-        if self.optim_cfg.grad_clip is not None:
-            self.clip_gradients(
-                optimizer, gradient_clip_val=self.optim_cfg.grad_clip, gradient_clip_algorithm="norm"
-            )
-        optimizer.step()
-        scheduler.step()
-        metrics = {
-            "train/outer_loss": result.outer_loss,
-            "train/lr": scheduler.get_last_lr()[0],  # a float: NCCL cannot reduce a CPU tensor
-        }
+        lr = outer_update(self, optimizer, scheduler, self.optim_cfg)
+        metrics = {"train/outer_loss": result.outer_loss, "train/lr": lr}
         if result.inner_losses.numel():
             metrics["train/inner_loss_first"] = result.inner_losses[0]
             metrics["train/inner_loss_last"] = result.inner_losses[-1]
@@ -149,19 +130,5 @@ class MetaLearner(pl.LightningModule):
         )
 
     def configure_optimizers(self) -> dict[str, Any]:
-        cfg = self.optim_cfg
-        params = [p for p in self.parameters() if p.requires_grad]
-        if cfg.name == "adamw":
-            optimizer = torch.optim.AdamW(
-                params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay
-            )
-        elif cfg.name == "adam":
-            optimizer = torch.optim.Adam(
-                params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay
-            )
-        else:
-            optimizer = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.beta1, weight_decay=cfg.weight_decay)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: lr_multiplier(step, cfg=cfg, total_steps=self.total_steps)
-        )
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        trainable = [p for p in self.parameters() if p.requires_grad]
+        return outer_optimizers(trainable, self.optim_cfg, self.total_steps)

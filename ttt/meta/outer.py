@@ -1,0 +1,50 @@
+"""The outer (meta) optimizer of every learner: its construction, schedule and one update."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from ttt.config.schema import OuterOptimConfig
+
+
+def lr_multiplier(step: int, *, cfg: OuterOptimConfig, total_steps: int) -> float:
+    """Factor applied to optim.lr at outer step `step`: linear warm-up, then the configured decay."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.scheduler == "constant":
+        return 1.0
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+    decay = 1.0 - progress if cfg.scheduler == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * decay
+
+
+def outer_optimizers(
+    params: list[torch.nn.Parameter], cfg: OuterOptimConfig, total_steps: int
+) -> dict[str, Any]:
+    """What a learner's configure_optimizers returns: the optimizer named by optim.name over `params`
+    and its per-step LambdaLR schedule (`lr_multiplier`)."""
+    betas = (cfg.beta1, cfg.beta2)
+    if cfg.name == "adamw":
+        optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=betas, weight_decay=cfg.weight_decay)
+    elif cfg.name == "adam":
+        optimizer = torch.optim.Adam(params, lr=cfg.lr, betas=betas, weight_decay=cfg.weight_decay)
+    else:
+        optimizer = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.beta1, weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_multiplier(step, cfg=cfg, total_steps=total_steps)
+    )
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def outer_update(module: pl.LightningModule, optimizer, scheduler, cfg: OuterOptimConfig) -> float:
+    """Clip the accumulated outer gradients (optim.grad_clip, global norm), step the optimizer and the
+    schedule. Returns the learning rate now in effect, as a float (NCCL cannot reduce a CPU tensor)."""
+    if cfg.grad_clip is not None:
+        module.clip_gradients(optimizer, gradient_clip_val=cfg.grad_clip, gradient_clip_algorithm="norm")
+    optimizer.step()
+    scheduler.step()
+    return scheduler.get_last_lr()[0]
