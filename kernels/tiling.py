@@ -65,6 +65,10 @@ def override(kernel: str, **settings):
     also SPLIT=False, one launch)."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    known = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages") + (("SPLIT",) if kernel == "bob_rows" else ())
+    unknown = sorted(set(settings) - set(known))
+    if unknown:
+        raise ValueError(f"override({kernel!r}) takes settings {known}, got {unknown}")
     previous = _overrides.get(kernel)
     _overrides[kernel] = settings
     try:

@@ -144,3 +144,10 @@ def test_bob_rows_in_one_or_two_launches(case, split):
     """The BoB rows kernel's two modes, each at a head dim whose default is the other one."""
     with tiling.override("bob_rows", SPLIT=split, BLOCK_M=32 if case.d > 64 else 16, BLOCK_N=16):
         test_stages_match_float64(case, torch.float32)
+
+
+def test_override_names_an_unknown_setting():
+    with pytest.raises(ValueError, match=r"'SPLIT'"), tiling.override("bob_cols", SPLIT=False):
+        pass
+    with pytest.raises(ValueError, match="kernel must be one of"), tiling.override("bob", BLOCK_M=16):
+        pass
