@@ -186,3 +186,13 @@ def test_register_refuses_reserved_names(name):
 def test_register_refuses_unknown_backend():
     with pytest.raises(ValueError, match="backend must be one of"):
         register_transformers("bob_x", backend="cuda")
+
+
+def test_static_cache_slots_are_refused():
+    """A StaticCache hands over all max_cache_len key slots, the unfilled ones masked: not expressible."""
+    from transformers import StaticCache
+
+    model = tiny_model("llama", "bob")
+    cache = StaticCache(config=model.config, max_cache_len=32)
+    with pytest.raises(UnsupportedAttentionError, match="kv_length=32"):
+        model(tokens(batch=1, n=10), past_key_values=cache, use_cache=True)
