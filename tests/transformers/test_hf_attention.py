@@ -42,11 +42,12 @@ def test_sliding_window_is_applied(arch):
     torch.testing.assert_close(tiny_model(arch, "bob")(ids).logits, want, rtol=1e-5, atol=1e-5)
 
 
-def test_triton_interpreter_logits_float32():
-    """The Triton kernels (interpreter on the CPU) under a sliding-window GQA model."""
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3", "gpt2"])
+def test_triton_interpreter_logits_float32(arch):
+    """The Triton kernels (interpreter on the CPU): sliding + full GQA layers, Gemma's scaling, GPT-2."""
     ids = tokens(batch=1, n=19)
-    want = tiny_model("qwen2", "eager")(ids).logits
-    got = tiny_model("qwen2", "bob_triton")(ids).logits
+    want = tiny_model(arch, "eager")(ids).logits
+    got = tiny_model(arch, "bob_triton")(ids).logits
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
