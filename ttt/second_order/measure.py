@@ -48,6 +48,13 @@ def attention_backend(model: Transformer, backend: str) -> Iterator[None]:
             cfg.attention = previous[key]
 
 
+def executed_attention(backend: str, device: torch.device) -> str:
+    """What `backend` runs on `device`: "triton" (the FlashBoB kernels), "torch" or "sdpa_math"."""
+    if backend == "sdpa_math":
+        return "sdpa_math"
+    return "triton" if backend == "flashbob" and device.type == "cuda" else "torch"
+
+
 def next_token_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """Mean float32 cross-entropy of logits (B, N, V) at positions 0..N-2 against tokens (B, N) at 1..N-1."""
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())
@@ -98,8 +105,9 @@ def measure_hvp(
     backend: attention backend for this measurement ("flashbob", "eager", "sdpa_math").
     repeats: timed calls of each (after one warm-up call). seed: the Rademacher direction.
     Returns {"backend", "batch", "n_tokens", "status": "ok" | "oom" | "error", "error",
-    "oom_in": None | "grad" | "hvp", "grad_s", "hvp_s", "hvp_over_grad_s", "grad_peak_gib",
-    "hvp_peak_gib", "hvp_over_grad_peak", "params_gib"}; values that were not measured are None.
+    "oom_in": None | "grad" | "hvp", "executes" (`executed_attention`), "grad_s", "hvp_s",
+    "hvp_over_grad_s", "grad_peak_gib", "hvp_peak_gib", "hvp_over_grad_peak", "params_gib"};
+    values that were not measured are None.
     """
     if not isinstance(model, Transformer):
         raise TypeError(f"model must be a ttt.models.Transformer, got {type(model).__name__}")
@@ -135,6 +143,7 @@ def measure_hvp(
         "status": "ok",
         "error": "",
         "oom_in": None,
+        "executes": executed_attention(backend, device),
         "params_gib": resident / GIB,
         **dict.fromkeys(
             ("grad_s", "hvp_s", "hvp_over_grad_s", "grad_peak_gib", "hvp_peak_gib", "hvp_over_grad_peak")
@@ -158,3 +167,40 @@ def measure_hvp(
         row["hvp_over_grad_s"] = row["hvp_s"] / row["grad_s"]
         row["hvp_over_grad_peak"] = row["hvp_peak_gib"] / row["grad_peak_gib"]
     return row
+
+
+def sweep_contexts(
+    model: Transformer,
+    contexts: list[int],
+    backends: list[str],
+    *,
+    batch: int = 1,
+    repeats: int = 3,
+    seed: int = 0,
+    on_row: Callable[[dict], None] | None = None,
+) -> list[dict]:
+    """`measure_hvp` for every backend at every context length (ascending), on random tokens.
+
+    contexts: sequence lengths N; each point reads tokens (batch, N) drawn with `seed`.
+    After a backend runs out of memory at some N, its longer contexts are not run: their rows have
+    status "skipped" and error "oom at N=...". on_row: called with each row as it is measured.
+    Returns the rows in (N, backend) order.
+    """
+    device = next(model.parameters()).device
+    vocab = model.cfg.vocab_size
+    stopped: dict[str, int] = {}
+    rows = []
+    for n in sorted(contexts):
+        tokens = torch.randint(0, vocab, (batch, n), generator=torch.Generator().manual_seed(seed)).to(device)
+        for backend in backends:
+            if backend in stopped:
+                row = {"backend": backend, "batch": batch, "n_tokens": n, "status": "skipped"}
+                row["error"] = f"oom at N={stopped[backend]}"
+            else:
+                row = measure_hvp(model, tokens, backend, repeats=repeats, seed=seed)
+                if row["status"] == "oom":
+                    stopped[backend] = n
+            rows.append(row)
+            if on_row is not None:
+                on_row(row)
+    return rows
