@@ -139,7 +139,7 @@ def hutchinson_diagonal(
     One forward and one differentiable backward build the gradient's graph; each probe then costs
     one backward-over-backward pass through that graph (kept until the last probe).
     loss_fn, params: as in `hvp`. generator: draws the probes (on params' device); None: the global RNG.
-    Returns name -> estimate of diag(H)[name], shaped like params[name], detached.
+    Returns name -> estimate of diag(H)[name], shaped and typed like params[name], detached.
     """
     check_params(params)
     if not isinstance(n_samples, int) or isinstance(n_samples, bool) or n_samples < 1:
@@ -148,13 +148,17 @@ def hutchinson_diagonal(
     if generator is not None and generator.device != device:
         raise ValueError(f"generator must be on {device} like params, got a generator on {generator.device}")
     leaves, grads = _differentiable_gradient(loss_fn, params)
-    estimate = {key: torch.zeros_like(tensor) for key, tensor in leaves.items()}
+    # accumulated in at least float32, so that many probes of a bf16 model do not round away
+    estimate = {
+        key: torch.zeros_like(tensor, dtype=torch.promote_types(tensor.dtype, torch.float32))
+        for key, tensor in leaves.items()
+    }
     for sample in range(n_samples):
         probe = {key: rademacher_like(tensor, generator) for key, tensor in leaves.items()}
         product = _along(leaves, grads, probe, retain=sample < n_samples - 1)
         for key in estimate:
             estimate[key].add_(probe[key] * product[key], alpha=1.0 / n_samples)
-    return estimate
+    return {key: total.to(leaves[key].dtype) for key, total in estimate.items()}
 
 
 def module_loss_fn(
