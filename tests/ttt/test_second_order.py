@@ -177,6 +177,8 @@ def test_bad_params_losses_and_probe_counts_are_named():
         hvp(loss_fn, {"i": torch.ones(3, dtype=torch.long)}, {"i": torch.ones(3, dtype=torch.long)})
     with pytest.raises(ValueError, match="loss_fn must return a scalar tensor, got \\(3,\\)"):
         hvp(lambda p: p["x"] ** 2, params, {"x": torch.ones(3)})
+    with pytest.raises(ValueError, match="does not depend on the params it is given"):
+        hvp(lambda p: torch.ones(()), params, {"x": torch.ones(3)})
     with pytest.raises(ValueError, match="n_samples must be a positive int, got 0"):
         hutchinson_diagonal(loss_fn, params, n_samples=0)
     with pytest.raises(ValueError, match="generator must be on meta like params"):

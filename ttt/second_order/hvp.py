@@ -71,6 +71,11 @@ def _differentiable_gradient(
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise ValueError(f"loss_fn must return a scalar tensor, got {shape}")
+        if not loss.requires_grad:
+            raise ValueError(
+                "loss_fn's result does not depend on the params it is given: it must compute the loss "
+                "from its argument (e.g. through module_loss_fn), not from the module's own parameters"
+            )
         grads = torch.autograd.grad(
             loss.reshape(()), tuple(leaves.values()), create_graph=True, allow_unused=True
         )
@@ -88,20 +93,19 @@ def _along(
     Parameters the loss (or its gradient) does not depend on get zeros."""
     used = [i for i, g in enumerate(grads) if g is not None and g.requires_grad]
     keys = list(leaves)
-    out = {key: torch.zeros_like(leaves[key]) for key in keys}
-    if not used:
-        return out
-    products = torch.autograd.grad(
-        [grads[i] for i in used],
-        tuple(leaves.values()),
-        grad_outputs=[vector[keys[i]] for i in used],
-        retain_graph=retain,
-        allow_unused=True,
-    )
-    for key, product in zip(keys, products):
-        if product is not None:
-            out[key] = product.detach()
-    return out
+    products = [None] * len(keys)
+    if used:
+        products = torch.autograd.grad(
+            [grads[i] for i in used],
+            tuple(leaves.values()),
+            grad_outputs=[vector[keys[i]] for i in used],
+            retain_graph=retain,
+            allow_unused=True,
+        )
+    return {
+        key: torch.zeros_like(leaves[key]) if product is None else product.detach()
+        for key, product in zip(keys, products)
+    }
 
 
 def hvp(

@@ -31,7 +31,7 @@ class _ExternalHessianError:
     @staticmethod
     def compute_hutchinson_hessian(param_groups, state, **kwargs) -> None:
         grads = [p.grad for group in param_groups for p in group["params"] if p.grad is not None]
-        if any(g.grad_fn is None for g in grads):
+        if all(g.grad_fn is None for g in grads):  # no create_graph backward before this step
             raise RuntimeError(
                 "this step of the Hessian optimizer needs a Hessian estimate: pass step(hessian=...) "
                 "(ttt.second_order.HessianFeed.step_kwargs), or call loss.backward(create_graph=True) "
