@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-OUTER_OPTIMIZERS = ("adamw", "adam", "sgd")
+OUTER_OPTIMIZERS = ("adamw", "adam", "sgd", "sophia_h", "adahessian")
 SCHEDULERS = ("constant", "cosine", "linear")
 STRATEGIES = ("auto", "ddp")
 _SHARDING = (
@@ -31,7 +31,7 @@ class OuterOptimConfig:
     """The outer (meta) optimizer and its learning-rate schedule."""
 
     name: str = "adamw"
-    """Optimizer: adamw, adam or sgd."""
+    """Optimizer: adamw, adam, sgd, or a Hessian optimizer (ttt.second_order): sophia_h, adahessian."""
     lr: float = 1e-3
     """Peak learning rate."""
     weight_decay: float = 0.0
@@ -48,6 +48,8 @@ class OuterOptimConfig:
     """Linear warm-up from 0 over this many outer steps."""
     min_lr_ratio: float = 0.1
     """Final learning rate of cosine and linear schedules, as a fraction of lr."""
+    hessian_update_interval: int = 10
+    """sophia_h, adahessian: steps between Hessian-diagonal estimates (the first step has one)."""
 
     def __post_init__(self):
         if self.name not in OUTER_OPTIMIZERS:
@@ -66,6 +68,10 @@ class OuterOptimConfig:
             raise ValueError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.hessian_update_interval < 1:
+            raise ValueError(
+                f"optim.hessian_update_interval must be >= 1, got {self.hessian_update_interval}"
+            )
 
 
 @dataclass
