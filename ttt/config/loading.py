@@ -9,7 +9,6 @@ raise ConfigError naming the key.
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 from pathlib import Path
 from typing import Any
@@ -128,7 +127,3 @@ def to_yaml(cfg: RecipeConfig) -> str:
     """The resolved config as YAML (derived defaults filled in)."""
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
-
-def config_dict(cfg: RecipeConfig) -> dict:
-    """The resolved config as plain nested dicts (for hyperparameter logging)."""
-    return dataclasses.asdict(cfg)
