@@ -79,7 +79,7 @@ def test_tiny_meta_fine_tuning_run(tiny_overrides, tmp_path):
 
 def test_checkpoint_of_another_architecture_fails_naming_the_field(tiny_overrides):
     cfg = load_config([*tiny_overrides, "model.architecture.d_ff=64"])
-    with pytest.raises(ValueError, match="ff_size: checkpoint 48, preset 64"):
+    with pytest.raises(ValueError, match="d_ff: checkpoint 48, preset 64"):
         load_base_model(cfg.model)
 
 
