@@ -1,11 +1,16 @@
 """Every recipe YAML loads against its schema; bad names, keys and values fail with helpful messages."""
 
+import json
+import re
+
 import lightning.pytorch as pl
 import pytest
+from omegaconf import OmegaConf
 
 from recipes import load_builder
 from ttt.config import ConfigError, available_recipes, load_config, to_yaml
 from ttt.config.loading import recipe_header
+from ttt.inner import InnerLoopConfig
 from ttt.train import main
 
 RECIPES = sorted(available_recipes())
@@ -64,6 +69,37 @@ def test_bad_values_name_the_key(override, message):
     with pytest.raises((ConfigError, ValueError), match=message):
         cfg = load_config(["recipe=maml_longctx", override])
         load_builder(cfg.builder).build(cfg)
+
+
+@pytest.mark.parametrize(
+    "key, values",
+    [
+        ("inner.optimizer", "sgd, momentum, adam"),
+        ("inner.learnable_lr", "none, tensor, element"),
+        ("optim.name", "adamw, adam, sgd"),
+        ("optim.scheduler", "constant, cosine, linear"),
+        ("trainer.strategy", "auto, ddp"),
+        ("trainer.precision", "32-true, 32, bf16-mixed, 16-mixed, bf16-true, 16-true, 64-true, 64"),
+        ("trainer.accelerator", "auto, cpu, gpu, cuda, mps"),
+        ("model.attention", "flashbob, eager, sdpa_math"),
+    ],
+)
+def test_a_bad_choice_is_a_config_error_listing_the_valid_values(key, values):
+    expected = f"^{re.escape(key)} must be one of {re.escape(values)}; got 'bogus'"
+    with pytest.raises(ConfigError, match=expected):
+        load_config(["recipe=maml_longctx", f"{key}=bogus"])
+
+
+def test_choices_compare_format_and_save_as_their_strings(tmp_path):
+    cfg = load_config(["recipe=maml_longctx", "trainer.precision=64", "inner.optimizer=adam"])
+    assert cfg.inner.optimizer == "adam" and f"{cfg.trainer.precision}" == "64"
+    assert {"adam": 1}[cfg.inner.optimizer] == 1 and json.dumps(cfg.optim.name) == '"adamw"'
+    saved = to_yaml(cfg)
+    assert "precision: '64'" in saved and "optimizer: adam" in saved
+    (tmp_path / "config.yaml").write_text(saved)
+    assert load_config([], base=OmegaConf.load(tmp_path / "config.yaml")) == cfg
+    with pytest.raises(ValueError, match="inner.optimizer must be one of sgd, momentum, adam; got 'rmsprop'"):
+        InnerLoopConfig(optimizer="rmsprop")
 
 
 def test_overrides_must_be_key_value():

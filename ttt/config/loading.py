@@ -3,19 +3,23 @@
     cfg = load_config(["recipe=maml_longctx", "trainer.max_steps=50"])
 
 Every key is checked before merging: an unknown or mistyped key raises ConfigError listing the
-valid keys at that level and the closest matches (difflib). Wrong value types and invalid values
-raise ConfigError naming the key.
+valid keys at that level and the closest matches (difflib); a value of a `Choice` field (or of a list
+of them) that is not one of its values raises ConfigError listing the valid values. Wrong value types
+and invalid values raise ConfigError naming the key.
 """
 
 from __future__ import annotations
 
 import difflib
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+from omegaconf.nodes import EnumNode
 
+from .choice import Choice
 from .schema import RecipeConfig
 
 
@@ -52,8 +56,32 @@ def _close_matches(word: str, choices: list[str]) -> str:
     return f"; did you mean {' or '.join(repr(m) for m in matches)}?" if matches else ""
 
 
+def _choice_type(node: Any) -> type[Choice] | None:
+    """The Choice class of a schema node: of the field itself, or of the elements of a list field."""
+    if isinstance(node, EnumNode):
+        kind = node.enum_type
+    elif isinstance(node, ListConfig):
+        kind = node._metadata.element_type
+    else:
+        return None
+    return kind if isinstance(kind, type) and issubclass(kind, Choice) else None
+
+
+def _check_choice(kind: type[Choice], value: Any, key: str, where: str) -> None:
+    """Raise ConfigError listing kind's values when `value` (a scalar or a list of them) is none of them."""
+    for item in value if isinstance(value, (list, ListConfig)) else [value]:
+        if item is None or isinstance(item, Enum) or str(item) in kind.values() + tuple(kind.__members__):
+            continue
+        try:
+            kind.parse(str(item), key)
+        except ValueError as err:
+            raise ConfigError(f"{err} ({where})") from None
+
+
 def _check_keys(given: Any, schema: Any, where: str, prefix: str = "") -> None:
-    """Raise ConfigError for the first key in `given` (a DictConfig) that `schema` does not have."""
+    """Raise ConfigError for the first key in `given` (a DictConfig) that `schema` does not have, or
+    whose value is not one of its Choice's values. Numbers given for a choice (trainer.precision=32)
+    are turned into the choice's string."""
     if not isinstance(given, DictConfig) or not isinstance(schema, DictConfig):
         return
     valid = [str(k) for k in schema]
@@ -64,6 +92,13 @@ def _check_keys(given: Any, schema: Any, where: str, prefix: str = "") -> None:
                 f"unknown config key {full!r} ({where}){_close_matches(str(key), valid)}\n"
                 f"valid keys{' under ' + prefix.rstrip('.') if prefix else ''}: {', '.join(valid)}"
             )
+        kind = _choice_type(schema._get_node(key))
+        if kind is not None:
+            value = given[key]
+            _check_choice(kind, value, full, where)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                given[key] = str(value)
+            continue
         _check_keys(given._get_node(key), schema._get_node(key), where, f"{full}.")
 
 
@@ -123,7 +158,16 @@ def load_config(overrides: list[str], *, base: DictConfig | None = None) -> Reci
         raise ConfigError(str(err)) from err
 
 
+def _plain(value: Any) -> Any:
+    """`value` (nested dicts and lists from OmegaConf.to_container) with every Enum replaced by its value."""
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_plain(item) for item in value]
+    return value.value if isinstance(value, Enum) else value
+
+
 def to_yaml(cfg: RecipeConfig) -> str:
-    """The resolved config as YAML (derived defaults filled in)."""
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    """The resolved config as YAML (derived defaults filled in; choices as their values, which load back)."""
+    return OmegaConf.to_yaml(_plain(OmegaConf.to_container(OmegaConf.structured(cfg))))
 

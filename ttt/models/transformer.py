@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import attention, check_attention_backend
+from .attention import AttentionBackend, attention
 
 
 @dataclass
@@ -58,7 +58,7 @@ class TransformerConfig:
     """Use the embedding matrix as the output head."""
     qkv_bias: bool = False
     """Give the q, k and v projections a bias (Qwen2 style)."""
-    attention: str = "flashbob"
+    attention: AttentionBackend = AttentionBackend.flashbob
     """Attention backend: flashbob (FlashBoB kernels on CUDA), eager (plain PyTorch) or sdpa_math."""
 
     def __post_init__(self):
@@ -81,7 +81,7 @@ class TransformerConfig:
             raise ValueError(f"model.window must be a positive int or null, got {self.window}")
         if self.rope_theta <= 0 or self.norm_eps <= 0:
             raise ValueError("model.rope_theta and model.norm_eps must be positive")
-        check_attention_backend(self.attention)
+        self.attention = AttentionBackend.parse(self.attention, "model.attention")
 
     def _sizes(self) -> tuple[int, int, int]:
         """(n_kv_heads, head_dim, d_ff), each its field or, when null, its default."""
