@@ -2,14 +2,16 @@
 
 import json
 import re
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
+import yaml
 from omegaconf import OmegaConf
 
 from recipes import load_builder
 from ttt.config import ConfigError, available_recipes, load_config, to_yaml
-from ttt.config.loading import recipe_header
+from ttt.config.loading import read_recipe, recipe_header
 from ttt.inner import InnerLoopConfig
 from ttt.train import main
 
@@ -27,6 +29,59 @@ def test_every_yaml_loads_and_documents_its_launch_command(name):
     assert isinstance(cfg, load_builder(cfg.builder).Config)
     assert f"python -m ttt.train recipe={name}" in recipe_header(available_recipes()[name])
     assert f"recipe: {name}" in to_yaml(cfg)
+
+
+def _leaves(tree: dict, prefix: str = ""):
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from _leaves(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_every_resolved_value_is_what_it_was_before_the_yamls_were_shortened(name):
+    recorded = yaml.safe_load((Path(__file__).parent / "resolved_recipes.yaml").read_text())
+    assert set(recorded) == set(RECIPES)
+    now = dict(_leaves(yaml.safe_load(to_yaml(load_config([f"recipe={name}"])))))
+    changed = {
+        key: (value, now.get(key, "<missing>"))
+        for key, value in _leaves(recorded[name])
+        if now.get(key, "<missing>") != value
+    }
+    assert not changed, f"{name}: (recorded, now) per key: {changed}"
+
+
+def _write(folder: Path, name: str, text: str) -> Path:
+    path = folder / f"{name}.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_a_recipe_extends_its_base_and_bad_bases_are_errors(tmp_path):
+    recipes = {
+        "small": _write(tmp_path, "small", "builder: maml_sinusoid\ninner:\n  steps: 2\n  lr: 0.5\n"),
+        "big": _write(tmp_path, "big", "base: small\ninner:\n  steps: 7\n"),
+        "bigger": _write(tmp_path, "bigger", "base: big\ntrainer:\n  max_steps: 9\n"),
+        "loop": _write(tmp_path, "loop", "base: loop2\n"),
+        "loop2": _write(tmp_path, "loop2", "base: loop\n"),
+        "typo": _write(tmp_path, "typo", "base: smal\n"),
+    }
+    merged = read_recipe("bigger", recipes)
+    assert OmegaConf.to_container(merged) == {
+        "builder": "maml_sinusoid", "inner": {"steps": 7, "lr": 0.5}, "trainer": {"max_steps": 9}
+    }  # fmt: skip
+    with pytest.raises(ConfigError, match="makes a cycle \\(loop -> loop2 -> loop\\)"):
+        read_recipe("loop", recipes)
+    with pytest.raises(ConfigError, match="unknown base 'smal'; did you mean 'small'"):
+        read_recipe("typo", recipes)
+
+
+def test_the_16k_configs_extend_their_cpu_recipes():
+    for name, base in (("maml_longctx_16k", "maml_longctx"), ("ttt_e2e_16k", "ttt_e2e")):
+        assert OmegaConf.load(available_recipes()[name]).base == base
+        big, small = load_config([f"recipe={name}"]), load_config([f"recipe={base}"])
+        assert big.builder == small.builder and big.optim.weight_decay == small.optim.weight_decay
 
 
 @pytest.mark.parametrize("name", [name for name in RECIPES if name.startswith("maml_")])

@@ -2,6 +2,10 @@
 
     cfg = load_config(["recipe=maml_longctx", "trainer.max_steps=50"])
 
+A recipe YAML states what differs from its builder's defaults (the `Config` dataclass under recipes/),
+or, with a top-level `base: OTHER_RECIPE`, what differs from that recipe's YAML (itself resolved the
+same way; the builder is inherited): e.g. configs/maml_longctx_16k.yaml extends maml_longctx.
+
 Every key is checked before merging: an unknown or mistyped key raises ConfigError listing the
 valid keys at that level and the closest matches (difflib); a value of a `Choice` field (or of a list
 of them) that is not one of its values raises ConfigError listing the valid values. Wrong value types
@@ -49,6 +53,24 @@ def recipe_header(path: Path) -> str:
             break
         lines.append(line[2:] if line.startswith("# ") else line[1:])
     return "\n".join(lines)
+
+
+def read_recipe(name: str, recipes: dict[str, Path], _children: tuple[str, ...] = ()) -> DictConfig:
+    """The YAML of recipe `name` merged onto the YAML of its `base:` recipe, if it names one (recursively;
+    a cycle or an unknown base is a ConfigError)."""
+    raw = OmegaConf.load(recipes[name])
+    parent = raw.pop("base", None)
+    if parent is None:
+        return raw
+    if parent == name or parent in _children:
+        chain = " -> ".join((*_children, name, parent))
+        raise ConfigError(f"{recipes[name]}: base: {parent} makes a cycle ({chain})")
+    if parent not in recipes:
+        raise ConfigError(
+            f"{recipes[name]}: unknown base {parent!r}{_close_matches(str(parent), list(recipes))}\n"
+            f"recipes: {', '.join(sorted(recipes))}"
+        )
+    return OmegaConf.merge(read_recipe(parent, recipes, (*_children, name)), raw)
 
 
 def _close_matches(word: str, choices: list[str]) -> str:
@@ -138,7 +160,7 @@ def load_config(overrides: list[str], *, base: DictConfig | None = None) -> Reci
                 f"unknown recipe {name!r}{_close_matches(str(name), list(recipes))}\n"
                 f"recipes: {', '.join(sorted(recipes))}"
             )
-        base = OmegaConf.load(recipes[name])
+        base = read_recipe(name, recipes)
         base.recipe = name
         source = str(recipes[name])
     else:
