@@ -133,7 +133,8 @@ def _recipe_schema(builder: str, yaml_path: Path) -> type[RecipeConfig]:
         raise ConfigError(f"{yaml_path}: {err}") from err
 
 
-def _parse_overrides(overrides: list[str]) -> DictConfig:
+def parse_overrides(overrides: list[str]) -> DictConfig:
+    """"key=value" strings (OmegaConf dotlist syntax) as a DictConfig; ConfigError on a malformed one."""
     for item in overrides:
         if "=" not in item or item.startswith("="):
             raise ConfigError(f"override {item!r} must look like key=value (e.g. trainer.max_steps=100)")
@@ -143,13 +144,28 @@ def _parse_overrides(overrides: list[str]) -> DictConfig:
         raise ConfigError(f"could not parse the overrides {overrides}: {err}") from err
 
 
+def load_structured(schema_class: type, layers: list[tuple[DictConfig, str]]) -> Any:
+    """An instance of the dataclass `schema_class` from its defaults and `layers` merged in order, each
+    a (DictConfig, where it came from) pair. Every layer's keys and choices are checked first; any bad
+    key, type or value (including a ValueError of __post_init__) is a ConfigError naming it."""
+    schema = OmegaConf.structured(schema_class)
+    for given, where in layers:
+        _check_keys(given, schema, where)
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(schema, *(given for given, _ in layers)))
+    except OmegaConfBaseException as err:
+        raise ConfigError(str(err).splitlines()[0] + f" (key {err.full_key})") from err
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+
+
 def load_config(overrides: list[str], *, base: DictConfig | None = None) -> RecipeConfig:
     """The validated config object of recipe=NAME (from `overrides`) with the other overrides applied.
 
     overrides: "key=value" strings (OmegaConf dotlist); one of them must be recipe=NAME unless
     `base` (e.g. the saved config of a run being resumed) is given.
     """
-    cli = _parse_overrides(overrides)
+    cli = parse_overrides(overrides)
     recipes = available_recipes()
     if base is None:
         name = cli.get("recipe")
@@ -166,18 +182,10 @@ def load_config(overrides: list[str], *, base: DictConfig | None = None) -> Reci
     else:
         source = "saved run config"
     builder = base.get("builder")
-    schema = OmegaConf.structured(_recipe_schema(builder, Path(source)))
-    _check_keys(base, schema, source)
-    _check_keys(cli, schema, "command line")
-    try:
-        merged = OmegaConf.merge(schema, base, cli)
-        if merged.builder != builder:
-            raise ConfigError(f"builder cannot be overridden (the recipe uses {builder!r})")
-        return OmegaConf.to_object(merged)
-    except OmegaConfBaseException as err:
-        raise ConfigError(str(err).splitlines()[0] + f" (key {err.full_key})") from err
-    except ValueError as err:
-        raise ConfigError(str(err)) from err
+    schema_class = _recipe_schema(builder, Path(source))
+    if cli.get("builder", builder) != builder:
+        raise ConfigError(f"builder cannot be overridden (the recipe uses {builder!r})")
+    return load_structured(schema_class, [(base, source), (cli, "command line")])
 
 
 def _plain(value: Any) -> Any:
