@@ -1,4 +1,8 @@
-"""What a measurement ran on: device, library versions, commit, command; for the experiment's records."""
+"""What a measurement ran on: device, library versions, commit, command and time, for benchmark records.
+
+One helper for every benchmark and experiment (`kernels.bench`, `ttt.experiments.grad_memory`); it
+lives in `kernels` because `ttt` may import `kernels` but not the other way round.
+"""
 
 from __future__ import annotations
 
@@ -13,18 +17,18 @@ import torch
 
 def _git(*args: str) -> str | None:
     try:
-        return subprocess.run(
-            ["git", *args], capture_output=True, text=True, check=True, timeout=10
-        ).stdout.strip()
+        done = subprocess.run(["git", *args], capture_output=True, text=True, check=True, timeout=10)
+        return done.stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
 
 
 def commit() -> str:
-    """HEAD's hash (with "+dirty" when tracked files differ), else $TTT_COMMIT, else "unknown"."""
+    """HEAD's short hash (with "+dirty" when tracked files differ), else $FLASHBOB_COMMIT (for a copy of
+    the tree without .git), else "unknown"."""
     head = _git("rev-parse", "--short=12", "HEAD")
     if head is None:
-        return os.environ.get("TTT_COMMIT", "unknown")
+        return os.environ.get("FLASHBOB_COMMIT", "unknown")
     return head + ("+dirty" if _git("status", "--porcelain", "--untracked-files=no") else "")
 
 
@@ -35,9 +39,12 @@ def _version(module: str) -> str | None:
         return None
 
 
-def describe(device: torch.device) -> dict:
-    """Device name (and memory), python/torch/triton/CUDA versions, commit, command line and UTC time."""
+def describe(device: torch.device, module: str, args: list[str] | None = None) -> dict:
+    """Where and how `python -m module ARGS` runs (args: the command-line arguments; None: sys.argv's):
+    device type, name and memory (GiB; None off CUDA), CPU count, python / torch / triton / CUDA
+    versions, commit, the command line and the UTC time."""
     info = {
+        "device_type": device.type,
         "device": platform.processor() or platform.machine(),
         "device_memory_gib": None,
         "cpu_count": os.cpu_count(),
@@ -46,7 +53,7 @@ def describe(device: torch.device) -> dict:
         "triton": _version("triton"),
         "cuda": torch.version.cuda,
         "commit": commit(),
-        "command": " ".join(["python -m ttt.experiments.grad_memory", *sys.argv[1:]]),
+        "command": " ".join(["python -m", module, *(sys.argv[1:] if args is None else args)]),
         "utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
     }
     if device.type == "cuda":
