@@ -149,6 +149,7 @@ def test_choices_compare_format_and_save_as_their_strings(tmp_path):
     cfg = load_config(["recipe=maml_longctx", "trainer.precision=64", "inner.optimizer=adam"])
     assert cfg.inner.optimizer == "adam" and f"{cfg.trainer.precision}" == "64"
     assert {"adam": 1}[cfg.inner.optimizer] == 1 and json.dumps(cfg.optim.name) == '"adamw"'
+    assert "optimizer='adam'" in repr(cfg.inner)
     saved = to_yaml(cfg)
     assert "precision: '64'" in saved and "optimizer: adam" in saved
     (tmp_path / "config.yaml").write_text(saved)

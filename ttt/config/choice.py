@@ -3,7 +3,7 @@
 A config field typed with a `Choice` subclass is checked by OmegaConf when a YAML or an override is
 merged, and `load_config` turns a bad value into a ConfigError that lists the valid values. Members
 are str-valued and behave as their value: `cfg.optimizer == "sgd"`, `f"{cfg.optimizer}"`, dict
-lookups by the plain string and JSON all see "sgd".
+lookups by the plain string, JSON and the dataclass's repr all see "sgd".
 
     class Schedule(Choice):
         constant = "constant"
@@ -16,8 +16,9 @@ from enum import Enum
 
 
 class Choice(str, Enum):
-    """A str-valued Enum whose members print, format and hash as their value."""
+    """A str-valued Enum whose members print, format, hash and repr as their value."""
 
+    __repr__ = str.__repr__
     __str__ = str.__str__
     __format__ = str.__format__
     __hash__ = str.__hash__
