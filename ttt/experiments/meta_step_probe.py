@@ -24,8 +24,7 @@ from contextlib import nullcontext
 import torch
 from torch import nn
 
-from .live_bytes import LiveTensorMeter
-from .saved_bytes import SavedTensorMeter
+from .memory_meters import LiveTensorMeter, SavedTensorMeter
 from .workloads import Point, ProbeSetup, build
 
 GIB = 2**30
