@@ -27,7 +27,9 @@ def test_every_yaml_loads_and_documents_its_launch_command(name):
     cfg = load_config([f"recipe={name}"])
     assert cfg.recipe == name
     assert isinstance(cfg, load_builder(cfg.builder).Config)
-    assert f"python -m ttt.train recipe={name}" in recipe_header(available_recipes()[name])
+    header = recipe_header(available_recipes()[name])
+    assert f"python -m ttt.train recipe={name}" in header
+    assert re.search(r"Figure \([^)]*commit [0-9a-f]{7}", header) or "No recorded figure yet" in header
     assert f"recipe: {name}" in to_yaml(cfg)
 
 
