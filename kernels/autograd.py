@@ -38,9 +38,16 @@ class AttentionFunction(torch.autograd.Function):
         q, k, v, opts = inputs
         out, lse = output
         ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_forward(q, k, v)
         ctx.opts = opts
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def jvp(ctx, t_q, t_k, t_v, _t_opts):
+        q, k, v = ctx.saved_tensors
+        _, _, t_out = AttentionJvpFunction.apply(q, k, v, t_q, t_k, t_v, ctx.opts)
+        return t_out, None
 
     @staticmethod
     def backward(ctx, dout, _dlse):
@@ -95,6 +102,41 @@ class BobFunction(torch.autograd.Function):
             "backward-over-backward); a third derivative is not supported. Use backend='torch' "
             "for higher-order derivatives."
         )
+
+
+class AttentionJvpFunction(torch.autograd.Function):
+    """(q, k, v, t_q, t_k, t_v) -> (out, lse, t_out) by the fused forward-with-tangent kernel; any
+    tangent may be None. Its backward differentiates t_out = J(q, k, v) t: with g the cotangent of
+    t_out, <g, J t> = <J^T g, t>, so the gradient with respect to t is the first backward with
+    dout = g, and the gradient with respect to (q, k, v) is the FlashBoB stage with dout = g and
+    cotangents u = t. out and lse are outputs for the launcher's sake only (not differentiable)."""
+
+    @staticmethod
+    def forward(q, k, v, t_q, t_k, t_v, opts: _Options):
+        return triton_ops.jvp(q, k, v, t_q, t_k, t_v, **opts.kwargs())
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, t_q, t_k, t_v, opts = inputs
+        out, lse, _ = output
+        ctx.save_for_backward(q, k, v, t_q, t_k, t_v, out, lse)
+        ctx.opts = opts
+        ctx.mark_non_differentiable(out, lse)
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx, _dout, _dlse, g):
+        if g is None:
+            return (None,) * 7
+        q, k, v, t_q, t_k, t_v, out, lse = ctx.saved_tensors
+        out, lse = out.detach(), lse.detach()
+        grads_t = AttentionBackwardFunction.apply(q, k, v, out, lse, g, ctx.opts)
+        grads_x = (None, None, None)
+        if any(ctx.needs_input_grad[:3]) and not (t_q is None and t_k is None and t_v is None):
+            dq = grads_t[0].detach()
+            grads_x = BobFunction.apply(q, k, v, out, lse, g, dq, t_q, t_k, t_v, ctx.opts)[:3]
+        grads_t = tuple(None if t is None else d for t, d in zip((t_q, t_k, t_v), grads_t))
+        return (*grads_x, *grads_t, None)
 
 
 def triton_attention(q, k, v, *, causal: bool, window: int | None, scale: float) -> torch.Tensor:
