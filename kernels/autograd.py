@@ -26,12 +26,32 @@ class _Options:
         return {"causal": self.causal, "window": self.window, "scale": self.scale}
 
 
+def _fold_vmap(function, info, in_dims, *args):
+    """The `vmap` rule of every Function here: the vmapped dim of each tensor argument (broadcast
+    where its in_dim is None) is folded into the batch dim, the Function runs once on (V * B, ...)
+    tensors, and every tensor output is unfolded to (V, B, ...) with out_dim 0."""
+    size = info.batch_size
+    folded = []
+    for arg, dim in zip(args, in_dims):
+        if isinstance(arg, torch.Tensor):
+            arg = arg.expand(size, *arg.shape) if dim is None else arg.movedim(dim, 0)
+            arg = arg.reshape(size * arg.shape[1], *arg.shape[2:])
+        folded.append(arg)
+    outputs = function.apply(*folded)
+    unfolded = tuple(None if o is None else o.unflatten(0, (size, o.shape[0] // size)) for o in outputs)
+    return unfolded, tuple(None if o is None else 0 for o in outputs)
+
+
 class AttentionFunction(torch.autograd.Function):
     """(q, k, v) -> (out, lse); its backward is `AttentionBackwardFunction`."""
 
     @staticmethod
     def forward(q, k, v, opts: _Options):
         return triton_ops.forward(q, k, v, **opts.kwargs())
+
+    @staticmethod
+    def vmap(info, in_dims, *args):
+        return _fold_vmap(AttentionFunction, info, in_dims, *args)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -66,6 +86,10 @@ class AttentionBackwardFunction(torch.autograd.Function):
         return triton_ops.backward(q, k, v, out, lse, dout, **opts.kwargs())
 
     @staticmethod
+    def vmap(info, in_dims, *args):
+        return _fold_vmap(AttentionBackwardFunction, info, in_dims, *args)
+
+    @staticmethod
     def setup_context(ctx, inputs, output):
         q, k, v, out, lse, dout, opts = inputs
         dq, _, _ = output
@@ -92,6 +116,10 @@ class BobFunction(torch.autograd.Function):
         return triton_ops.bob(q, k, v, out, lse, dout, dq, u_q, u_k, u_v, **opts.kwargs())
 
     @staticmethod
+    def vmap(info, in_dims, *args):
+        return _fold_vmap(BobFunction, info, in_dims, *args)
+
+    @staticmethod
     def setup_context(ctx, inputs, output):
         pass
 
@@ -114,6 +142,10 @@ class AttentionJvpFunction(torch.autograd.Function):
     @staticmethod
     def forward(q, k, v, t_q, t_k, t_v, opts: _Options):
         return triton_ops.jvp(q, k, v, t_q, t_k, t_v, **opts.kwargs())
+
+    @staticmethod
+    def vmap(info, in_dims, *args):
+        return _fold_vmap(AttentionJvpFunction, info, in_dims, *args)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
