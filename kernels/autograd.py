@@ -172,6 +172,11 @@ class AttentionJvpFunction(torch.autograd.Function):
 
 
 def triton_attention(q, k, v, *, causal: bool, window: int | None, scale: float) -> torch.Tensor:
-    """Triton attention with a twice-differentiable backward. Shapes as `kernels.flash_attention`."""
+    """Triton attention with a twice-differentiable backward. Shapes as `kernels.flash_attention`.
+    Under torch.compile it is the custom op of `kernels.compiled` instead (first order only)."""
+    if torch.compiler.is_compiling():
+        from .compiled import compiled_attention
+
+        return compiled_attention(q, k, v, causal=causal, window=window, scale=scale)
     out, _ = AttentionFunction.apply(q, k, v, _Options(causal, window, scale))
     return out
