@@ -42,6 +42,18 @@ def _fold_vmap(function, info, in_dims, *args):
     return unfolded, tuple(None if o is None else 0 for o in outputs)
 
 
+FORWARD_MODE_ERROR = (
+    "flash_attention(backend='triton') supports forward mode on its output (torch.func.jvp, "
+    "torch.autograd.forward_ad) and gradients through that; forward mode through its gradient "
+    "(jvp of grad, forward-over-reverse) or through a tangent (jvp of jvp) is not supported. Use "
+    "grad of grad (the FlashBoB kernels) or backend='torch'."
+)
+
+
+def _refuse_forward_mode(ctx, *tangents):
+    raise NotImplementedError(FORWARD_MODE_ERROR)
+
+
 class AttentionFunction(torch.autograd.Function):
     """(q, k, v) -> (out, lse); its backward is `AttentionBackwardFunction`."""
 
@@ -85,6 +97,8 @@ class AttentionBackwardFunction(torch.autograd.Function):
     def forward(q, k, v, out, lse, dout, opts: _Options):
         return triton_ops.backward(q, k, v, out, lse, dout, **opts.kwargs())
 
+    jvp = staticmethod(_refuse_forward_mode)
+
     @staticmethod
     def vmap(info, in_dims, *args):
         return _fold_vmap(AttentionBackwardFunction, info, in_dims, *args)
@@ -115,6 +129,8 @@ class BobFunction(torch.autograd.Function):
     def forward(q, k, v, out, lse, dout, dq, u_q, u_k, u_v, opts: _Options):
         return triton_ops.bob(q, k, v, out, lse, dout, dq, u_q, u_k, u_v, **opts.kwargs())
 
+    jvp = staticmethod(_refuse_forward_mode)
+
     @staticmethod
     def vmap(info, in_dims, *args):
         return _fold_vmap(BobFunction, info, in_dims, *args)
@@ -142,6 +158,8 @@ class AttentionJvpFunction(torch.autograd.Function):
     @staticmethod
     def forward(q, k, v, t_q, t_k, t_v, opts: _Options):
         return triton_ops.jvp(q, k, v, t_q, t_k, t_v, **opts.kwargs())
+
+    jvp = staticmethod(_refuse_forward_mode)
 
     @staticmethod
     def vmap(info, in_dims, *args):

@@ -123,3 +123,17 @@ def test_jvp_launcher_without_tangents_gives_the_forward():
     want_out, want_lse = kernels.attention_forward(q, k, v, causal=True, backend="torch")
     assert rel_err(out, want_out) <= TOL and rel_err(lse, want_lse) <= TOL
     assert torch.equal(t_out, torch.zeros_like(t_out))
+
+
+@pytest.mark.parametrize("order", ["jvp_of_grad", "jvp_of_jvp"])
+def test_forward_mode_through_a_derivative_raises(order):
+    case = CASES[0]
+    (q, k, v), (t_q, _, _), _, _ = jvp_inputs(case, seed=6)
+
+    def f(q_):
+        return attention(case, "triton")(q_, k, v)
+
+    inner = torch.func.grad(lambda q_: f(q_).sum()) if order == "jvp_of_grad" else (
+        lambda q_: torch.func.jvp(f, (q_,), (t_q,))[1])
+    with pytest.raises(NotImplementedError, match="forward mode through its gradient"):
+        torch.func.jvp(inner, (q,), (t_q,))
