@@ -5,6 +5,11 @@ Each stage is a `torch.autograd.Function` whose backward calls the next stage's 
 more, and `torch.func.grad(torch.func.grad(f))` works (the Functions use `setup_context`). The
 saved out and lse enter later stages detached: the BoB formulas already hold the total derivative
 through them, so giving them a gradient would count it twice.
+
+Forward mode: `AttentionFunction.jvp` runs the fused forward-with-tangent kernel through
+`AttentionJvpFunction`, whose backward (a loss on the tangent) runs the first backward and the BoB.
+Every Function has a `vmap` rule that folds the vmapped dim into the batch. Derivations and what
+each transform supports: docs/forward_mode.md.
 """
 
 from __future__ import annotations

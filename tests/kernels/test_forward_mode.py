@@ -137,3 +137,14 @@ def test_forward_mode_through_a_derivative_raises(order):
         lambda q_: torch.func.jvp(f, (q_,), (t_q,))[1])
     with pytest.raises(NotImplementedError, match="forward mode through its gradient"):
         torch.func.jvp(inner, (q,), (t_q,))
+
+
+def test_third_derivative_through_a_jvp_raises():
+    case = CASES[0]
+    (q, k, v), (t_q, _, _), _, _ = jvp_inputs(case, seed=7)
+
+    def tangent_sum(q_):
+        return torch.func.jvp(lambda x: attention(case, "triton")(x, k, v), (q_,), (t_q,))[1].sin().sum()
+
+    with pytest.raises(RuntimeError, match="third derivative"):
+        torch.func.grad(lambda q_: torch.func.grad(tangent_sum)(q_).sin().sum())(q)
