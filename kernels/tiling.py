@@ -34,7 +34,9 @@ def _cuda_default(kernel: str, bd: int, itemsize: int) -> tuple[int, int, int, i
         return (16, 32, 4, 1) if kernel == "bob_cols" and itemsize > 2 else (32, 32, 4, 1)
     if kernel == "forward":
         return (64, 64, 4, 3)
-    if kernel in ("backward_kv", "backward_q", "jvp"):  # jvp: two (BLOCK_M, D) accumulators, like dQ
+    if kernel == "jvp":  # not yet swept: two (BLOCK_M, D) accumulators, one more than the dQ kernel
+        return (64, 64, 4, 2) if bd <= 64 else (64, 32, 4, 2)
+    if kernel in ("backward_kv", "backward_q"):
         return (64, 64, 4, 2)
     if kernel == "bob_rows":
         return (64, 32, 4, 3) if bd <= 64 else (64, 32, 4, 2)

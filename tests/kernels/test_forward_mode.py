@@ -7,10 +7,10 @@ import itertools
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
-from kernel_cases import CASES, DEVICE, make_inputs, rel_err
+from kernel_cases import CASES, DEVICE, Case, make_inputs, rel_err
 
 import kernels
-from kernels import triton_ops
+from kernels import tiling, triton_ops
 from kernels.reference import attention_naive
 
 TOL = 2e-5
@@ -69,6 +69,13 @@ def test_jvp_matches_float64(case, dtype):
         limit_t = max(2 * rel_err(base_t, want_t), floor)
     assert rel_err(out, want_out) <= limit_out
     assert rel_err(t_out, want_t) <= limit_t
+
+
+@pytest.mark.parametrize(("block_m", "block_n"), [(64, 32), (32, 64)])
+def test_jvp_with_gpu_tile_shapes(block_m, block_n):
+    """The tile shapes CUDA launches use, here on any device: the mask-skipping logic depends on them."""
+    with tiling.override("jvp", BLOCK_M=block_m, BLOCK_N=block_n):
+        test_jvp_matches_float64(Case(1, 2, 1, 100, 90, 64, causal=True, window=40), torch.float32)
 
 
 @pytest.mark.parametrize("subset", SUBSETS, ids=lambda s: "+".join("qkv"[i] for i in s))
