@@ -15,7 +15,7 @@ from kernels.reference import attention_naive
 
 TOL = 2e-5
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
-JVP_CASES = [CASES[1], CASES[3], CASES[4], CASES[6], CASES[8], CASES[9]]
+JVP_CASES = [CASES[1], CASES[3], CASES[4], CASES[5], CASES[6], CASES[8], CASES[9]]
 SUBSETS = [s for r in (1, 2) for s in itertools.combinations(range(3), r)]
 
 
