@@ -60,7 +60,8 @@ def _refuse_forward_mode(ctx, *tangents):
 
 
 class AttentionFunction(torch.autograd.Function):
-    """(q, k, v) -> (out, lse); its backward is `AttentionBackwardFunction`."""
+    """(q, k, v) -> (out, lse); its backward is `AttentionBackwardFunction`, its jvp (forward mode)
+    `AttentionJvpFunction`."""
 
     @staticmethod
     def forward(q, k, v, opts: _Options):
