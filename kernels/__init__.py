@@ -14,7 +14,17 @@ Supported
     * derivatives: first and second order. The second (backward-over-backward) runs the FlashBoB
       kernels: exact, O(N) extra memory, no N x N tensor. A third derivative raises an error on the
       Triton path (use backend="torch");
-    * `torch.func.grad` of `torch.func.grad`, and `torch.func.functional_call`.
+    * `torch.func.grad` of `torch.func.grad`, and `torch.func.functional_call`;
+    * forward mode on the Triton path (`torch.func.jvp`, `torch.autograd.forward_ad`), tangents of
+      any subset of q, k, v: one fused forward-with-tangent kernel, O(N) extra memory. Through
+      `torch.func.jvp` it runs after the forward kernel (PyTorch calls forward, then jvp);
+    * gradients of a loss on the JVP's output (`torch.func.grad` of `torch.func.jvp`, or
+      `torch.autograd.grad` through forward_ad duals), w.r.t. q, k, v and the tangents: the first
+      backward and the FlashBoB kernels, exact, no N x N tensor;
+    * `torch.func.vmap` (in_dims on any of q, k, v, None included), also of grad, jvp, grad of grad
+      and grad of jvp: the vmapped dim is folded into the batch;
+    * `torch.compile(fullgraph=True)` at first order on both backends (the Triton path is the custom
+      op `flashbob::attention_forward` under compile, `kernels.compiled`).
 
 Backends
     "triton": the Triton kernels, on CUDA, or on CPU tensors when TRITON_INTERPRET=1 was set
@@ -28,7 +38,10 @@ Hugging Face transformers
 
 Known limits
     No dropout, no attention bias or arbitrary masks, no variable-length (packed) batches.
-    The Triton path does not support vmap over the op.
+    Triton path: a third derivative, forward mode through a gradient (jvp of grad) or through a
+    tangent (jvp of jvp) raise errors. Inside a compiled region only first order works: PyTorch's
+    AOTAutograd raises on a second derivative (run second-order steps eagerly), and forward mode and
+    vmap are not supported there. See docs/forward_mode.md.
 """
 
 from .api import attention_backward, attention_bob, attention_forward, flash_attention

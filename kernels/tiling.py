@@ -13,7 +13,7 @@ import contextlib
 import torch
 import triton
 
-KERNELS = ("forward", "backward_kv", "backward_q", "bob_rows", "bob_cols")
+KERNELS = ("forward", "backward_kv", "backward_q", "bob_rows", "bob_cols", "jvp")
 _overrides: dict[str, dict] = {}
 
 
@@ -34,6 +34,8 @@ def _cuda_default(kernel: str, bd: int, itemsize: int) -> tuple[int, int, int, i
         return (16, 32, 4, 1) if kernel == "bob_cols" and itemsize > 2 else (32, 32, 4, 1)
     if kernel == "forward":
         return (64, 64, 4, 3)
+    if kernel == "jvp":  # not yet swept: two (BLOCK_M, D) accumulators, one more than the dQ kernel
+        return (64, 64, 4, 2) if bd <= 64 else (64, 32, 4, 2)
     if kernel in ("backward_kv", "backward_q"):
         return (64, 64, 4, 2)
     if kernel == "bob_rows":

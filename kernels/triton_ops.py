@@ -1,8 +1,8 @@
 """Launchers of the Triton kernels: check layouts, allocate outputs, pick tiles, launch.
 
-Each stage (forward, first backward, backward-over-backward) is one function taking and returning
-plain tensors; `kernels.autograd` chains them. Inputs need unit stride in the head dimension (other
-strides are passed through, so transposed (B, N, H, D) views need no copy).
+Each stage (forward, first backward, backward-over-backward, forward with tangent) is one function
+taking and returning plain tensors; `kernels.autograd` chains them. Inputs need unit stride in the
+head dimension (other strides are passed through, so transposed (B, N, H, D) views need no copy).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from . import tiling
 from ._backward import attention_backward_dkdv_kernel, attention_backward_dq_kernel, row_dot_kernel
 from ._bob import attention_bob_cols_kernel, attention_bob_rows_kernel
 from ._forward import attention_forward_kernel
+from ._jvp import attention_jvp_kernel
 from ._tiles import LOG2E
 
 POISON_OUTPUTS = False
@@ -151,3 +152,30 @@ def bob(q, k, v, out, lse, dout, dq, u_q, u_k, u_v, *, causal: bool, window: int
         n, m, heads_q, heads_kv, group, **common, **cfg,
     )
     return grad_q, grad_k, grad_v, grad_dout
+
+
+def jvp(q, k, v, t_q, t_k, t_v, *, causal: bool, window: int | None, scale: float):
+    """Forward with tangent. q, t_q: (B, Hq, N, D); k, v, t_k, t_v: (B, Hkv, M, D); any tangent may
+    be None (zero). Returns out (B, Hq, N, D), lse (B, Hq, N) float32 and t_out (B, Hq, N, D), the
+    directional derivative of out along (t_q, t_k, t_v)."""
+    q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+    t_q, t_k, t_v = (None if t is None else _unit_last(t.to(q.dtype)) for t in (t_q, t_k, t_v))
+    batch, heads_q, n, d = q.shape
+    heads_kv, m = k.shape[1], k.shape[2]
+    out = _empty(q.shape, q.dtype, q.device)
+    t_out = _empty(q.shape, q.dtype, q.device)
+    lse = _empty((batch, heads_q, n), torch.float32, q.device)
+    flags = dict(HAS_TQ=t_q is not None, HAS_TK=t_k is not None, HAS_TV=t_v is not None)
+    # Absent tangents are never read (their flag is off): any tensor stands in for the pointer.
+    t_q_ = q if t_q is None else t_q
+    t_k_ = k if t_k is None else t_k
+    t_v_ = v if t_v is None else t_v
+    cfg = tiling.choose("jvp", q)
+    grid = (triton.cdiv(n, cfg["BLOCK_M"]), batch * heads_q)
+    attention_jvp_kernel[grid](
+        q, k, v, t_q_, t_k_, t_v_, out, t_out, lse,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(t_q_), *_strides(t_k_), *_strides(t_v_),
+        *_strides(out), n, m, heads_q, heads_q // heads_kv, qk_scale_log2=scale * LOG2E, scale=scale,
+        **_mask_args(causal, window, n, m), **flags, HEAD_DIM=d, PRECISION=_precision(q.dtype), **cfg,
+    )
+    return out, lse, t_out
