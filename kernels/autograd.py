@@ -15,15 +15,17 @@ from . import triton_ops
 
 
 class _Options:
-    """Mask and scale, carried through the chain as one non-tensor argument."""
+    """Mask, scale and float32 precision, carried through the chain as one non-tensor argument."""
 
-    __slots__ = ("causal", "window", "scale")
+    __slots__ = ("causal", "window", "scale", "fp32_precision")
 
-    def __init__(self, causal: bool, window: int | None, scale: float):
+    def __init__(self, causal: bool, window: int | None, scale: float, fp32_precision: str | None = None):
         self.causal, self.window, self.scale = causal, window, scale
+        self.fp32_precision = fp32_precision
 
     def kwargs(self) -> dict:
-        return {"causal": self.causal, "window": self.window, "scale": self.scale}
+        return {"causal": self.causal, "window": self.window, "scale": self.scale,
+                "fp32_precision": self.fp32_precision}
 
 
 class AttentionFunction(torch.autograd.Function):
@@ -97,7 +99,9 @@ class BobFunction(torch.autograd.Function):
         )
 
 
-def triton_attention(q, k, v, *, causal: bool, window: int | None, scale: float) -> torch.Tensor:
-    """Triton attention with a twice-differentiable backward. Shapes as `kernels.flash_attention`."""
-    out, _ = AttentionFunction.apply(q, k, v, _Options(causal, window, scale))
+def triton_attention(q, k, v, *, causal: bool, window: int | None, scale: float,
+                     fp32_precision: str | None = None) -> torch.Tensor:
+    """Triton attention with a twice-differentiable backward. Shapes as `kernels.flash_attention`;
+    fp32_precision applies to all three stages."""
+    out, _ = AttentionFunction.apply(q, k, v, _Options(causal, window, scale, fp32_precision))
     return out

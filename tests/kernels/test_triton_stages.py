@@ -146,6 +146,13 @@ def test_bob_rows_in_one_or_two_launches(case, split):
         test_stages_match_float64(case, torch.float32)
 
 
+def test_bob_with_warp_specialized_loops():
+    """The WARP_SPECIALIZE setting of both BoB kernels (a benchmark option; the interpreter runs the
+    loops as written, so this checks the code around them)."""
+    with tiling.override("bob_rows", WARP_SPECIALIZE=True), tiling.override("bob_cols", WARP_SPECIALIZE=True):
+        test_stages_match_float64(Case(1, 2, 1, 37, 45, 80, causal=True), torch.float32)
+
+
 def test_override_names_an_unknown_setting():
     with pytest.raises(ValueError, match=r"'SPLIT'"), tiling.override("bob_cols", SPLIT=False):
         pass
