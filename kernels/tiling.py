@@ -41,6 +41,10 @@ _overrides: dict[str, dict] = {}
 _imposed: list[DeviceLimits] = []
 _working: dict[tuple, dict] = {}
 _device_cache: dict[int, DeviceLimits] = {}
+launch_listener: Callable[..., None] | None = None
+"""If set, called after every successful launch as listener(kernel, cfg, estimate, compiled,
+itemsize, precision): the settings, their shared-memory estimate and what the launch returned (the
+compiled kernel on CUDA); benchmarks/portable.py records the estimate against the real need."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,7 +263,8 @@ def launch(kernel: str, q: torch.Tensor, run: Callable[[dict], object], **flags)
     itemsize = q.element_size()
     while True:
         try:
-            _check_imposed(run(cfg), limit)
+            compiled = run(cfg)
+            _check_imposed(compiled, limit)
         except OutOfResources as err:
             if kernel in _overrides:
                 raise
@@ -268,6 +273,9 @@ def launch(kernel: str, q: torch.Tensor, run: Callable[[dict], object], **flags)
         if kernel not in _overrides:
             _working[_memory_key(kernel, q, precision)] = {
                 k: v for k, v in cfg.items() if k not in ("SPLIT", "WARP_SPECIALIZE")}
+        if launch_listener is not None:
+            estimate = shared_mem_estimate(kernel, cfg, itemsize, precision, **flags)
+            launch_listener(kernel, cfg, estimate, compiled, itemsize, precision)
         return cfg
 
 

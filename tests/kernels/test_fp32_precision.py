@@ -8,7 +8,7 @@ errors on a GPU are measured by benchmarks/portable.py (part "precision").
 
 import pytest
 import torch
-from kernel_cases import Case, autograd_reference, make_inputs, rel_err
+from kernel_cases import DEVICE, Case, autograd_reference, make_inputs, rel_err
 
 import kernels
 from kernels import triton_ops, validation
@@ -16,7 +16,9 @@ from kernels import triton_ops, validation
 KERNEL_NAMES = ("attention_forward_kernel", "attention_backward_dkdv_kernel", "attention_backward_dq_kernel",
                 "attention_bob_rows_kernel", "attention_bob_cols_kernel")
 CASE = Case(1, 4, 2, 37, 29, 48, causal=True)
-TOL = 2e-5
+# On a GPU the TF32 modes round: bounds well above their expected error (measured, against plain
+# PyTorch float32, by benchmarks/portable.py), to catch a broken mode, not to grade it.
+TOL = {"ieee": 2e-5, "tf32x3": 1e-4 if DEVICE == "cuda" else 2e-5, "tf32": 2e-2 if DEVICE == "cuda" else 2e-5}
 
 
 class Recorder:
@@ -52,9 +54,9 @@ def test_each_mode_reaches_every_stage_and_matches_float64(mode, seen):
     bob = kernels.attention_bob(q, k, v, out, lse, dout, dq, u_q, u_k, u_v, **opts)
     assert seen and set(seen) == {mode} and len(seen) >= 5
     for name, got in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
-        assert rel_err(got, ref[name]) <= TOL, name
+        assert rel_err(got, ref[name]) <= TOL[mode], name
     for i, (got, want) in enumerate(zip(bob, ref["bob"])):
-        assert rel_err(got, want) <= TOL, f"bob{i}"
+        assert rel_err(got, want) <= TOL[mode], f"bob{i}"
 
 
 @pytest.mark.parametrize("mode", ["tf32x3", "tf32"])
@@ -67,7 +69,7 @@ def test_autograd_chain_carries_the_mode_to_the_bob(mode, seen):
     bob = torch.autograd.grad(firsts, (q, k, v, dout), (u_q, u_k, u_v))
     assert set(seen) == {mode} and len(seen) == 5, seen  # forward, 2 backward, rows (one pass), columns
     for i, (got, want) in enumerate(zip(bob, ref["bob"])):
-        assert rel_err(got, want) <= TOL, f"bob{i}"
+        assert rel_err(got, want) <= TOL[mode], f"bob{i}"
 
 
 def test_default_and_half_precision_inputs(seen):
