@@ -10,14 +10,14 @@ the cases it skipped; a failing case is recorded and the run goes on):
               ratio to torch's flash forward+backward measured in the same run, relative difference
               of the four outputs to the default setting's (a wrong setting shows), bitwise
               determinism on repeat, and the first call's seconds (its compilation).
-  precision   float32 products (fp32_precision ieee / tf32x3 / tf32), N=4096, causal, head dims 64
-              and 128: relative error against float64 of out, dq, dk, dv and the four BoB outputs
+  precision   float32 products (fp32_precision tf32x3, tf32, then ieee), N=4096, causal, head dims
+              64 and 128: relative error against float64 of out, dq, dk, dv and the four BoB outputs
               (B=1, H=2), next to plain PyTorch float32's error (TF32 off); and the ms of forward +
               backward and of the BoB (B=1, H=8), with bf16's for scale.
-  first_call  one fresh process per (dtype, head dim, mask, GQA) family, with an empty Triton
-              cache (TRITON_CACHE_DIR a new directory): seconds to the first forward, backward and
-              BoB; then a call at N+1 in the (B, N, H, D) layout (other divisibility of lengths and
-              strides) and the number of kernels it compiled (0 wanted).
+  first_call  one fresh process per (dtype, head dim, mask, GQA) family (4 side by side), with an
+              empty Triton cache (TRITON_CACHE_DIR a new directory): seconds to the first forward,
+              backward and BoB; then a call at N+1 in the (B, N, H, D) layout (other divisibility
+              of lengths and strides) and the number of kernels it compiled (0 wanted).
   shared      free, from the launches above: each compiled kernel's shared memory against
               kernels.tiling.shared_mem_estimate (to recalibrate the estimate).
 Writes OUT/results.csv and OUT/results.jsonl (every row) after each part and prints a short table
@@ -43,7 +43,6 @@ import kernels
 from kernels import tiling
 from kernels.reference import attention_naive
 
-MODES = ("ieee", "tf32x3", "tf32")
 SWEEP = {  # head dim 128 first: the larger gap to its goal
     128: [
         ("default", None, {}),
@@ -239,51 +238,60 @@ def part_sweep(run: Run, budget: float) -> None:
             free_memory()
 
 
+def precision_case(a, d: int) -> dict:
+    """Inputs of one head dim: float64 and float32 copies (B=1, H=2), the float64 reference of
+    every stage output, plain PyTorch float32's errors (TF32 off), and timing inputs (B=1, H)."""
+    full = random_inputs(1, 2, 2, a.n_precision, d, torch.float64, seed=1)
+    low = [t.float() for t in full]
+
+    def naive(q, k, v):
+        return attention_naive(q, k, v, causal=True, window=None, scale=d**-0.5)
+
+    ref = all_orders(naive, *full)
+    tf32_matmul = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        torch_err = [rel(x, r) for x, r in zip(all_orders(naive, *low), ref)]
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32_matmul
+    timing = random_inputs(1, a.heads, a.heads, a.n_precision, d, torch.float32, seed=2)
+    return {"low": low, "ref": ref, "torch_err": torch_err, "timing": timing}
+
+
 def part_precision(run: Run, budget: float) -> None:
+    """Modes outermost, the candidate defaults first: IEEE (the slowest to compile) is the baseline
+    of speed only; the error criterion is plain PyTorch float32's."""
     a = run.args
     start = time.monotonic()
     names = ("out", "dq", "dk", "dv", "grad_q", "grad_k", "grad_v", "grad_dout")
-    for d in a.precision_d:
-        full = random_inputs(1, 2, 2, a.n_precision, d, torch.float64, seed=1)
-        low = [t.float() for t in full]
-
-        def naive(q, k, v, d=d):
-            return attention_naive(q, k, v, causal=True, window=None, scale=d**-0.5)
-
-        ref = all_orders(naive, *full)
-        tf32_matmul = torch.backends.cuda.matmul.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = False
-        try:
-            torch_err = [rel(x, r) for x, r in zip(all_orders(naive, *low), ref)]
-        finally:
-            torch.backends.cuda.matmul.allow_tf32 = tf32_matmul
-        timing = random_inputs(1, a.heads, a.heads, a.n_precision, d, torch.float32, seed=2)
-        for mode in (*MODES, a.low):
+    cases = {d: precision_case(a, d) for d in a.precision_d}
+    for mode in ("tf32x3", "tf32", "ieee", a.low):
+        for d, case in cases.items():
             base = dict(part_d=d, mode=mode, n=a.n_precision)
             if time.monotonic() - start > budget:
                 run.record("precision", **base, status="skipped: budget")
                 continue
             try:
-                inputs = [t.to(DTYPES[a.low]) for t in timing] if mode == a.low else timing
+                inputs = [t.to(DTYPES[a.low]) for t in case["timing"]] if mode == a.low else case["timing"]
                 attention = ours("causal", None if mode == a.low else mode)
                 errors, first_s = {}, None
                 if mode != a.low:
                     t0 = time.perf_counter()
-                    got = all_orders(attention, *low)
+                    got = all_orders(attention, *case["low"])
                     sync()
                     first_s = time.perf_counter() - t0
-                    errors = {f"err_{n}": rel(x, r) for n, x, r in zip(names, got, ref)}
-                    errors.update({f"torch_err_{n}": e for n, e in zip(names, torch_err)})
-                    errors["worst_ratio_to_torch"] = max(rel(x, r) / max(e, 1e-30)
-                                                         for x, r, e in zip(got, ref, torch_err))
+                    pairs = list(zip(names, got, case["ref"], case["torch_err"]))
+                    errors = {f"err_{n}": rel(x, r) for n, x, r, _ in pairs}
+                    errors.update({f"torch_err_{n}": e for n, _, _, e in pairs})
+                    errors["worst_ratio_to_torch"] = max(rel(x, r) / max(e, 1e-30) for _, x, r, e in pairs)
                 fwd_bwd_ms = median_ms(fwd_bwd_call(attention, *inputs[:4]), a.rep_ms)
                 bob_ms = median_ms(bob_call(attention, *inputs), a.rep_ms)
                 run.record("precision", **base, fwd_bwd_ms=fwd_bwd_ms, bob_ms=bob_ms, first_call_s=first_s,
                            **errors, status="ok")
             except Exception as exc:
                 run.record("precision", **base, status=failure(exc))
-        del full, low, ref, timing
-        free_memory()
+    del cases
+    free_memory()
 
 
 def compiled_count() -> int | None:
@@ -329,28 +337,52 @@ def first_call_child(family: list, n: int) -> dict:
 
 
 def part_first_call(run: Run, budget: float) -> None:
-    start = time.monotonic()
+    """One fresh process per family, --first-call-jobs of them side by side (compilation is
+    single-threaded per process; the GPU machine has cores to spare); a child still running at
+    the end of the budget is killed and recorded as such."""
+    deadline = time.monotonic() + budget
     script = os.path.abspath(__file__)
-    for family in FAMILIES[:run.args.families]:
-        family = [run.args.low if family[0] == "bf16" else family[0], *family[1:]]
-        dtype, d, mask, h_kv, precision = family
-        base = dict(dtype=dtype, part_d=d, mask=mask, gqa=f"4:{h_kv}", mode=precision or "default")
-        left = budget - (time.monotonic() - start)
-        if left <= 5:
-            run.record("first_call", **base, status="skipped: budget")
-            continue
-        env = dict(os.environ, TRITON_CACHE_DIR=tempfile.mkdtemp(prefix="flashbob_cache_"))
-        cmd = [sys.executable, script, "--child-first-call", json.dumps(family),
-               "--n-first", str(run.args.n_first)]
-        try:
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=left)
-            if proc.returncode != 0:
-                tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [""]
-                run.record("first_call", **base, status=f"failed: rc {proc.returncode}: {tail[0][:200]}")
+    pending = [[run.args.low if f[0] == "bf16" else f[0], *f[1:]] for f in FAMILIES[:run.args.families]]
+    running = []
+    while pending or running:
+        while pending and len(running) < run.args.first_call_jobs and deadline - time.monotonic() > 5:
+            family = pending.pop(0)
+            env = dict(os.environ, TRITON_CACHE_DIR=tempfile.mkdtemp(prefix="flashbob_cache_"))
+            cmd = [sys.executable, script, "--child-first-call", json.dumps(family),
+                   "--n-first", str(run.args.n_first)]
+            logs = tuple(os.path.join(env["TRITON_CACHE_DIR"], name) for name in ("stdout", "stderr"))
+            with open(logs[0], "w") as out, open(logs[1], "w") as err:
+                running.append((family, subprocess.Popen(cmd, env=env, stdout=out, stderr=err), logs))
+        if not running:
+            for family in pending:
+                run.record("first_call", **family_fields(family), status="skipped: budget")
+            return
+        time.sleep(0.2)
+        for item in list(running):
+            family, proc, logs = item
+            if proc.poll() is None and time.monotonic() < deadline:
                 continue
-            run.record("first_call", **base, **json.loads(proc.stdout.strip().splitlines()[-1]), status="ok")
-        except subprocess.TimeoutExpired:
-            run.record("first_call", **base, status=f"failed: over the {left:.0f} s left in the budget")
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+                status = {"status": "failed: still running at the end of the budget"}
+            elif proc.returncode != 0:
+                tail = read(logs[1]).strip().splitlines()[-1:] or [""]
+                status = {"status": f"failed: rc {proc.returncode}: {tail[0][:200]}"}
+            else:
+                status = {**json.loads(read(logs[0]).strip().splitlines()[-1]), "status": "ok"}
+            run.record("first_call", **family_fields(family), **status)
+            running.remove(item)
+
+
+def read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def family_fields(family: list) -> dict:
+    dtype, d, mask, h_kv, precision = family
+    return dict(dtype=dtype, part_d=d, mask=mask, gqa=f"4:{h_kv}", mode=precision or "default")
 
 
 def listen(shared_rows: dict):
@@ -409,6 +441,7 @@ def parse_args(argv=None):
     p.add_argument("--rep-ms", type=int, default=200, help="do_bench's timed milliseconds per measurement")
     p.add_argument("--settings", type=int, default=99, help="first SETTINGS sweep settings per head dim")
     p.add_argument("--families", type=int, default=len(FAMILIES), help="first FAMILIES first-call families")
+    p.add_argument("--first-call-jobs", type=int, default=4, help="first-call processes side by side")
     p.add_argument("--smoke", action="store_true", help="toy sizes (a test of this script; CPU or GPU)")
     p.add_argument("--child-first-call", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -419,7 +452,7 @@ def parse_args(argv=None):
         p.error(f"--parts: unknown {sorted(unknown)}; choose from sweep, precision, first_call")
     args.low = "bf16"
     if args.smoke:  # float16 for bfloat16: the interpreter's bfloat16 is wrong
-        args.heads, args.n_sweep, args.n_precision, args.n_first, args.rep_ms = 2, 40, 33, 21, 4
+        args.heads, args.n_sweep, args.n_precision, args.n_first, args.rep_ms = 2, 20, 17, 17, 4
         args.low = "fp16"
     return args
 
