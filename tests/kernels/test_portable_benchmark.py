@@ -26,6 +26,7 @@ def read_rows(out):
 
 
 @pytest.mark.slow
+@pytest.mark.many_compiles
 def test_every_part_at_toy_sizes(tmp_path, monkeypatch, capsys):
     portable = load_script()
     monkeypatch.setattr(tiling, "launch_listener", None)
