@@ -401,6 +401,10 @@ def listen(shared_rows: dict):
 def summary(rows: list[dict]) -> str:
     lines = ["part        | case                                   | result"]
     for r in rows:
+        if r["part"] == "meta":
+            if r.get("status", "ok") != "ok":
+                lines.append(f"{'meta':<11} | part {r['finished']:<33} | {r['status']}")
+            continue
         if r["part"] == "sweep":
             case = f"d{r['part_d']} {r['mask']} {r['setting']}"
             result = (f"{r['ms']:.2f} ms, {r['ratio']:.2f}x flash, diff {r['rel_diff_to_default']:.1e}, "
@@ -475,13 +479,18 @@ def main(argv=None) -> None:
     for name in args.parts:
         fn, budget = parts[name]
         t0 = time.monotonic()
-        fn(run, budget)
-        run.record("meta", finished=name, seconds=time.monotonic() - t0)
+        try:
+            fn(run, budget)
+            status = "ok"
+        except Exception as exc:  # a part's setup failed (e.g. out of memory): the next part still runs
+            status = failure(exc)
+            free_memory()
+        run.record("meta", finished=name, seconds=time.monotonic() - t0, status=status)
         run.save()
     for row in shared_rows.values():
         run.record("shared", **row)
     run.save()
-    print(summary([r for r in run.rows if r["part"] != "meta"]))
+    print(summary(run.rows))
 
 
 def _commit() -> str:
