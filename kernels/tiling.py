@@ -112,16 +112,14 @@ def impose_limits(limits: DeviceLimits):
         _imposed.pop()
 
 
-def _cuda_default(kernel: str, bd: int, itemsize: int) -> tuple[int, int, int, int]:
+def _cuda_default(kernel: str, bd: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a CUDA launch, from the H200 sweep recorded in
     docs/kernel_notes.md (bf16, N=16384, causal, head dims 64 and 128). Four warps (one warpgroup)
     win everywhere: eight split the row sums of a tile across warpgroups. Head dim 256 takes the
-    smallest tiles, for the registers; in float32 its BoB columns kernel also halves the query tile:
-    at BLOCK_M 32 it asked for 228 KiB of shared memory and Triton refused it (the H200 has 227)."""
+    smallest tiles, for the registers (`cuda_config` then fits them to the device's shared memory:
+    in float32 the BoB columns kernel asked the H200 for 228 KiB at these tiles, and steps down)."""
     if bd > 128:
-        if kernel == "forward":
-            return (64, 32, 4, 2)
-        return (16, 32, 4, 1) if kernel == "bob_cols" and itemsize > 2 else (32, 32, 4, 1)
+        return (64, 32, 4, 2) if kernel == "forward" else (32, 32, 4, 1)
     if kernel == "forward":
         return (64, 64, 4, 3)
     if kernel in ("backward_kv", "backward_q"):
@@ -205,7 +203,7 @@ def cuda_config(kernel: str, head_dim: int, itemsize: int, limits: DeviceLimits,
             f"{limits.capability[0]}.{limits.capability[1]}; use backend='torch'"
         )
     bd = block_d(head_dim)
-    bm, bn, warps, stages = _cuda_default(kernel, bd, itemsize)
+    bm, bn, warps, stages = _cuda_default(kernel, bd)
     cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_D": bd, "num_warps": warps, "num_stages": stages}
     while shared_mem_estimate(kernel, cfg, itemsize, precision, **flags) > limits.max_shared_mem:
         smaller = step_down(kernel, cfg)

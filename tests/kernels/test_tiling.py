@@ -44,12 +44,17 @@ def test_every_kernel_fits_every_gpu_family(family):
 
 
 def test_the_h200_keeps_its_tuned_table():
+    """The estimate leaves the tuned table alone on the H200, except where the H200 itself refused
+    it: the float32 IEEE BoB columns kernel at head dim 256 steps down to 16 query rows."""
     for kernel in tiling.KERNELS:
         for d in HEAD_DIMS:
             for itemsize, precision in MODES:
                 cfg = tiling.cuda_config(kernel, d, itemsize, tiling.PRESETS["h100"], precision)
                 got = (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"])
-                assert got == tiling._cuda_default(kernel, tiling.block_d(d), itemsize), (kernel, d, itemsize)
+                want = tiling._cuda_default(kernel, tiling.block_d(d))
+                if (kernel, tiling.block_d(d), itemsize, precision) == ("bob_cols", 256, 4, "ieee"):
+                    want = (16, 32, 4, 1)
+                assert got == want, (kernel, d, itemsize, precision)
 
 
 def test_smaller_gpus_step_down_from_the_table():
