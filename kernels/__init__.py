@@ -1,7 +1,8 @@
 """Exact softmax attention that can be differentiated twice (FlashBoB).
 
 Public API
-    flash_attention(q, k, v, *, causal=False, window=None, scale=None, backend="auto") -> out
+    flash_attention(q, k, v, *, causal=False, window=None, scale=None, backend="auto",
+                    fp32_precision=None) -> out
     attention_forward / attention_backward / attention_bob: the three stages as plain functions.
 
 Supported
@@ -10,7 +11,11 @@ Supported
     * masks: none, causal (bottom-right aligned: query i sees keys j <= i + M - N), and causal
       sliding window (also j > i + M - N - window); rows that see no key output zero;
     * head dims 8 to 256, not only powers of two;
-    * dtypes float16, bfloat16, float32 on the Triton path (float64 too on the torch path);
+    * dtypes float16, bfloat16, float32 on the Triton path (float64 too on the torch path); float32
+      products by fp32_precision: "ieee" (default for now), "tf32x3" or "tf32";
+    * GPUs of compute capability 8.0 and newer (Ampere, Ada, Hopper): the tiles are fitted to the
+      device's shared memory per block (kernels/tiling.py; FLASHBOB_MAX_SHARED_MEM=163K or 99K
+      imposes an A100's or an L4's on a larger GPU);
     * derivatives: first and second order. The second (backward-over-backward) runs the FlashBoB
       kernels: exact, O(N) extra memory, no N x N tensor. A third derivative raises an error on the
       Triton path (use backend="torch");
@@ -42,6 +47,9 @@ Known limits
     tangent (jvp of jvp) raise errors. Inside a compiled region only first order works: PyTorch's
     AOTAutograd raises on a second derivative (run second-order steps eagerly), and forward mode and
     vmap are not supported there. See docs/forward_mode.md.
+    Float32 at head dim 256 needs, by the
+    shared-memory estimate, ~112 KiB in the BoB even at the smallest tiles: on a 99 KiB GPU
+    (L4, RTX 4090) Triton may refuse it (the error says so); use bfloat16 there.
 """
 
 from .api import attention_backward, attention_bob, attention_forward, flash_attention

@@ -20,15 +20,17 @@ from . import triton_ops
 
 
 class _Options:
-    """Mask and scale, carried through the chain as one non-tensor argument."""
+    """Mask, scale and float32 precision, carried through the chain as one non-tensor argument."""
 
-    __slots__ = ("causal", "window", "scale")
+    __slots__ = ("causal", "window", "scale", "fp32_precision")
 
-    def __init__(self, causal: bool, window: int | None, scale: float):
+    def __init__(self, causal: bool, window: int | None, scale: float, fp32_precision: str | None = None):
         self.causal, self.window, self.scale = causal, window, scale
+        self.fp32_precision = fp32_precision
 
     def kwargs(self) -> dict:
-        return {"causal": self.causal, "window": self.window, "scale": self.scale}
+        return {"causal": self.causal, "window": self.window, "scale": self.scale,
+                "fp32_precision": self.fp32_precision}
 
 
 def _fold_vmap(function, info, in_dims, *args):
@@ -195,12 +197,16 @@ class AttentionJvpFunction(torch.autograd.Function):
         return (*grads_x, *grads_t, None)
 
 
-def triton_attention(q, k, v, *, causal: bool, window: int | None, scale: float) -> torch.Tensor:
-    """Triton attention with a twice-differentiable backward. Shapes as `kernels.flash_attention`.
-    Under torch.compile it is the custom op of `kernels.compiled` instead (first order only)."""
+def triton_attention(q, k, v, *, causal: bool, window: int | None, scale: float,
+                     fp32_precision: str | None = None) -> torch.Tensor:
+    """Triton attention with a twice-differentiable backward. Shapes as `kernels.flash_attention`;
+    fp32_precision applies to every stage. Under torch.compile it is the custom op of
+    `kernels.compiled` instead (first order only)."""
     if torch.compiler.is_compiling():
         from .compiled import compiled_attention
 
-        return compiled_attention(q, k, v, causal=causal, window=window, scale=scale)
-    out, _ = AttentionFunction.apply(q, k, v, _Options(causal, window, scale))
+        return compiled_attention(
+            q, k, v, causal=causal, window=window, scale=scale, fp32_precision=fp32_precision
+        )
+    out, _ = AttentionFunction.apply(q, k, v, _Options(causal, window, scale, fp32_precision))
     return out
