@@ -24,7 +24,9 @@ def attention_forward_op(
     fp32_precision: str | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q: (B, Hq, N, D); k, v: (B, Hkv, M, D). Returns out (B, Hq, N, D) and lse (B, Hq, N) float32."""
-    return triton_ops.forward(q, k, v, causal=causal, window=window, scale=scale, fp32_precision=fp32_precision)
+    return triton_ops.forward(
+        q, k, v, causal=causal, window=window, scale=scale, fp32_precision=fp32_precision
+    )
 
 
 @attention_forward_op.register_fake
