@@ -35,7 +35,8 @@ import torch.nn.functional as F
 
 import kernels
 from kernels import triton_ops
-from kernels.bench import commit, peak_gib, sync_time, tflops, time_ms, visible_pairs
+from kernels.bench import peak_gib, sync_time, tflops, time_ms, visible_pairs
+from kernels.environment import commit
 
 PRODUCTS = {"ours_forward": 2, "ours_jvp_kernel": 6, "ours_jvp": 8, "ours_backward": 7, "ours_grad_jvp": 25}
 CHECK_SIZE = (1, 2, 200, 64)  # (B, H, N, D) of the correctness check

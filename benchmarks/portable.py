@@ -41,6 +41,7 @@ import torch
 
 import kernels
 from kernels import tiling
+from kernels.environment import commit
 from kernels.reference import attention_naive
 
 SWEEP = {  # head dim 128 first: the larger gap to its goal
@@ -470,7 +471,7 @@ def main(argv=None) -> None:
         raise SystemExit("benchmarks/portable.py needs a CUDA GPU (or --smoke under TRITON_INTERPRET=1)")
     run = Run(args)
     run.record("meta", gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-               torch=torch.__version__, commit=_commit(), command=" ".join(sys.argv),
+               torch=torch.__version__, commit=commit(), command=" ".join(sys.argv),
                limits=str(tiling.device_limits(torch.device(device()))))
     shared_rows: dict = {}
     tiling.launch_listener = listen(shared_rows)
@@ -491,13 +492,6 @@ def main(argv=None) -> None:
         run.record("shared", **row)
     run.save()
     print(summary(run.rows))
-
-
-def _commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 if __name__ == "__main__":
