@@ -27,7 +27,10 @@ from ttt.config import ConfigError, RecipeConfig, available_recipes, load_config
 from ttt.config.loading import recipe_header
 from ttt.tracking import (
     AtomicCheckpointIO,
+    DivergenceError,
+    DivergenceGuard,
     EpochEndCheckpoint,
+    LogStepAlignment,
     OuterStepTimer,
     RunPaths,
     atomic_write_text,
@@ -141,11 +144,18 @@ def make_trainer(cfg: RecipeConfig, paths: RunPaths, timer: OuterStepTimer) -> p
         precision=tc.precision,
         inference_mode=False,
         logger=loggers,
-        callbacks=[EpochEndCheckpoint(paths.last_checkpoint), timer],
+        # The guard runs before the checkpoint callback: a diverged epoch end raises before it is saved.
+        callbacks=[
+            DivergenceGuard(paths.last_checkpoint),
+            EpochEndCheckpoint(paths.last_checkpoint),
+            LogStepAlignment(),
+            timer,
+        ],
+        detect_anomaly=tc.detect_anomaly,
         enable_checkpointing=False,
         plugins=[AtomicCheckpointIO()],
         log_every_n_steps=tc.log_every_n_steps,
-        enable_progress_bar=tc.progress_bar,
+        enable_progress_bar=tc.progress_bar and sys.stdout.isatty(),
         num_sanity_val_steps=0,
         limit_val_batches=1.0 if tc.val_tasks else 0,
         default_root_dir=paths.root,
@@ -199,6 +209,10 @@ def run(
     return summary
 
 
+DIVERGED = 3
+"""Exit status of a run stopped by a non-finite loss (2: bad command line or config)."""
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `python -m ttt.train` and `ttt-train`; returns the exit status."""
     argv = sys.argv[1:] if argv is None else argv
@@ -220,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     except FileExistsError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except DivergenceError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return DIVERGED
     except RuntimeError as err:
         if UNUSED_PARAMETERS_ERROR not in str(err):
             raise

@@ -7,6 +7,7 @@ the YAML comments); every section validates itself in __post_init__ and names th
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 OUTER_OPTIMIZERS = ("adamw", "adam", "sgd")
@@ -52,8 +53,8 @@ class OuterOptimConfig:
     def __post_init__(self):
         if self.name not in OUTER_OPTIMIZERS:
             raise ValueError(f"optim.name must be one of {OUTER_OPTIMIZERS}, got {self.name!r}")
-        if self.lr <= 0:
-            raise ValueError(f"optim.lr must be > 0, got {self.lr}")
+        if not 0 < self.lr < math.inf:
+            raise ValueError(f"optim.lr must be a positive finite float, got {self.lr}")
         if self.weight_decay < 0:
             raise ValueError(f"optim.weight_decay must be >= 0, got {self.weight_decay}")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
@@ -100,7 +101,10 @@ class TrainerConfig:
     log_every_n_steps: int = 10
     """Write training metrics every this many outer steps."""
     progress_bar: bool = True
-    """Show Lightning's progress bar."""
+    """Show Lightning's progress bar (only when stdout is a terminal: logs redirected to a file get none)."""
+    detect_anomaly: bool = False
+    """Run under torch.autograd's anomaly detection (Lightning's detect_anomaly): the error of a NaN
+    names the operation that produced it. Slow; for finding where a run diverged."""
     num_workers: int = 0
     """Data loader worker processes (synthetic tasks are cheap: 0 is usually best)."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 INNER_OPTIMIZERS = ("sgd", "momentum", "adam")
@@ -46,6 +47,11 @@ class InnerLoopConfig:
             raise ValueError(f"inner.steps must be >= 0, got {self.steps}")
         if self.eval_steps is not None and self.eval_steps < 0:
             raise ValueError(f"inner.eval_steps must be >= 0 or null, got {self.eval_steps}")
+        if not 0 < self.lr < math.inf:
+            raise ValueError(
+                f"inner.lr must be a positive finite float, got {self.lr} (zero does not adapt, a negative lr "
+                "ascends the inner loss)"
+            )
         if self.optimizer not in INNER_OPTIMIZERS:
             raise ValueError(f"inner.optimizer must be one of {INNER_OPTIMIZERS}, got {self.optimizer!r}")
         if self.learnable_lr not in LEARNABLE_LR_MODES:

@@ -9,7 +9,6 @@ training)."""
 from __future__ import annotations
 
 import csv
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +16,8 @@ from pathlib import Path
 import matplotlib
 import numpy as np
 import torch
+
+from ttt.tracking.summary import strict_json
 
 from .passkey import sample_passkey
 from .tokenizer import Tokenizer
@@ -149,7 +150,7 @@ def write_long_context_report(
         "loss_by_position_png": run_dir / "loss_by_position.png",
     }
     write_csv(files["loss_by_position_csv"], table)
-    (run_dir / "loss_by_position.json").write_text(json.dumps(position_rows, indent=2) + "\n")
+    (run_dir / "loss_by_position.json").write_text(strict_json(position_rows, indent=2) + "\n")
     plot_loss_by_position(
         files["loss_by_position_png"],
         {f"TTT {n}": rows for n, rows in position_rows.items()},
