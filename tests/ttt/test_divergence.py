@@ -64,7 +64,9 @@ def test_summary_is_strict_json(tmp_path):
     assert loaded == {"a": "nan", "b": "inf", "c": 1.5, "d": None}
 
 
-@pytest.mark.parametrize("override", ["inner.lr=0", "inner.lr=-0.1", "inner.lr=inf", "optim.lr=0", "optim.lr=nan"])
+@pytest.mark.parametrize(
+    "override", ["inner.lr=0", "inner.lr=-0.1", "inner.lr=inf", "optim.lr=0", "optim.lr=nan"]
+)
 def test_bad_learning_rates_are_refused_by_name(override):
     key = override.split("=")[0]
     with pytest.raises(ConfigError, match=key.replace(".", r"\.") + " must be a positive finite float"):

@@ -49,8 +49,8 @@ class InnerLoopConfig:
             raise ValueError(f"inner.eval_steps must be >= 0 or null, got {self.eval_steps}")
         if not 0 < self.lr < math.inf:
             raise ValueError(
-                f"inner.lr must be a positive finite float, got {self.lr} (zero does not adapt, a negative lr "
-                "ascends the inner loss)"
+                f"inner.lr must be a positive finite float, got {self.lr} (zero does not adapt, a "
+                "negative lr ascends the inner loss)"
             )
         if self.optimizer not in INNER_OPTIMIZERS:
             raise ValueError(f"inner.optimizer must be one of {INNER_OPTIMIZERS}, got {self.optimizer!r}")

@@ -2,8 +2,8 @@
 
 from .atomic import AtomicCheckpointIO, atomic_write_text
 from .checkpointing import EpochEndCheckpoint, LogStepAlignment
-from .divergence import DivergenceError, DivergenceGuard
 from .directory import RunPaths, new_run_dir, resolve_resume
+from .divergence import DivergenceError, DivergenceGuard
 from .summary import format_summary_table, write_summary
 from .timing import OuterStepTimer
 

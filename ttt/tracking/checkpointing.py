@@ -38,5 +38,7 @@ class LogStepAlignment(pl.Callback):
     takes exactly one outer optimizer step per training batch, so the counter is set to the optimizer
     step count before each batch."""
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx
+    ) -> None:
         trainer.fit_loop.epoch_loop._batches_that_stepped = trainer.global_step

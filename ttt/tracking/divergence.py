@@ -57,7 +57,9 @@ class DivergenceGuard(pl.Callback):
             return f"the last good checkpoint is kept: {self.checkpoint} (resume=PATH continues from it)"
         return "no checkpoint had been written yet"
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx):
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx
+    ):
         metrics: dict[str, torch.Tensor | float] = {
             name: value for name, value in trainer.callback_metrics.items() if name in WATCHED_LOSSES
         }
@@ -68,9 +70,7 @@ class DivergenceGuard(pl.Callback):
         if not bad:
             return
         step = trainer.global_step  # outer steps completed, this one included
-        lines = [
-            f"training diverged at outer step {step} (epoch {trainer.current_epoch}): non-finite loss"
-        ]
+        lines = [f"training diverged at outer step {step} (epoch {trainer.current_epoch}): non-finite loss"]
         for name in sorted(bad):
             value = float(metrics[name]) if metrics[name].numel() == 1 else "non-finite entries"
             lines.append(f"  {name} = {value}  ({WATCHED_LOSSES.get(name, 'returned by training_step')})")
