@@ -27,6 +27,7 @@ from ttt.config import ConfigError, RecipeConfig, available_recipes, load_config
 from ttt.config.loading import recipe_header
 from ttt.tracking import (
     AtomicCheckpointIO,
+    CheckpointError,
     DivergenceError,
     DivergenceGuard,
     EpochEndCheckpoint,
@@ -34,7 +35,9 @@ from ttt.tracking import (
     OuterStepTimer,
     RunPaths,
     atomic_write_text,
+    check_resumable,
     format_summary_table,
+    load_checkpoint,
     new_run_dir,
     resolve_resume,
     write_summary,
@@ -178,6 +181,9 @@ def run(
     start = time.perf_counter()
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     module, data = load_builder(cfg.builder).build(cfg)
+    if checkpoint is not None:
+        # Everything that can fail about the checkpoint fails here, before the run directory is touched.
+        check_resumable(load_checkpoint(checkpoint, mmap=True), checkpoint, module.state_dict())
     if paths is None:
         paths = run_paths(cfg)
     if rank_zero_only.rank == 0:
@@ -231,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
     try:
         summary = run(cfg, paths=paths, checkpoint=checkpoint)
-    except FileExistsError as err:
+    except (FileExistsError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except DivergenceError as err:

@@ -1,6 +1,7 @@
 """Run directories, atomic files and checkpoints, outer-step timing, and the end-of-run summary."""
 
 from .atomic import AtomicCheckpointIO, atomic_write_text
+from .checkpoint_file import CheckpointError, check_resumable, load_checkpoint
 from .checkpointing import EpochEndCheckpoint, LogStepAlignment
 from .directory import RunPaths, new_run_dir, resolve_resume
 from .divergence import DivergenceError, DivergenceGuard
@@ -9,6 +10,7 @@ from .timing import OuterStepTimer
 
 __all__ = [
     "AtomicCheckpointIO",
+    "CheckpointError",
     "DivergenceError",
     "DivergenceGuard",
     "EpochEndCheckpoint",
@@ -16,7 +18,9 @@ __all__ = [
     "OuterStepTimer",
     "RunPaths",
     "atomic_write_text",
+    "check_resumable",
     "format_summary_table",
+    "load_checkpoint",
     "new_run_dir",
     "resolve_resume",
     "write_summary",
