@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_only
@@ -122,6 +123,23 @@ UNUSED_PARAMETERS_HINT = (
 )
 
 
+def check_accelerator(cfg: RecipeConfig) -> None:
+    """Raise ConfigError when trainer.accelerator asks for GPUs this machine does not have (before the
+    run directory exists, rather than Lightning's error after it)."""
+    tc = cfg.trainer
+    if tc.accelerator not in ("gpu", "cuda"):
+        return
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            f"trainer.accelerator={tc.accelerator} but this machine has no CUDA GPU that PyTorch can use "
+            "(torch.cuda.is_available() is False): use trainer.accelerator=cpu, or auto"
+        )
+    if tc.devices > torch.cuda.device_count():
+        raise ConfigError(
+            f"trainer.devices={tc.devices} but this machine has {torch.cuda.device_count()} CUDA GPUs"
+        )
+
+
 def make_trainer(cfg: RecipeConfig, paths: RunPaths, timer: OuterStepTimer) -> pl.Trainer:
     """The Lightning Trainer of a run: epochs of trainer.steps_per_epoch outer steps, validation and
     an atomic last.ckpt after each epoch, CSV (and TensorBoard) logs in the run directory. With
@@ -179,8 +197,12 @@ def run(
     from recipes import load_builder
 
     start = time.perf_counter()
+    check_accelerator(cfg)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
-    module, data = load_builder(cfg.builder).build(cfg)
+    try:
+        module, data = load_builder(cfg.builder).build(cfg)
+    except (ValueError, FileNotFoundError) as err:  # builders name the bad key in these
+        raise ConfigError(f"recipe {cfg.recipe}: {err}") from err
     if checkpoint is not None:
         # Everything that can fail about the checkpoint fails here, before the run directory is touched.
         check_resumable(load_checkpoint(checkpoint, mmap=True), checkpoint, module.state_dict())
@@ -237,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
     try:
         summary = run(cfg, paths=paths, checkpoint=checkpoint)
-    except (FileExistsError, CheckpointError) as err:
+    except (ConfigError, FileExistsError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except DivergenceError as err:
