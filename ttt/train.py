@@ -58,7 +58,11 @@ Unknown keys and invalid values are errors that say what is valid.
 Special keys
     print_config=true      print the resolved config and exit
     resume=PATH            continue a run (its directory or a checkpoint file); its saved config
-                           is used, with any other overrides applied (e.g. a larger max_steps)
+                           is used, with any other overrides applied (e.g. a larger max_steps).
+                           Nothing in the run directory changes unless the checkpoint fits the
+                           model built from that config. Extending a run (a larger
+                           trainer.max_steps) keeps its lr schedule (optim.schedule_steps): past
+                           the schedule's end the lr stays at its final value, with no jump
     seed=N                 seed of model init and task streams
 
 Recipes
@@ -89,7 +93,10 @@ def prepare(argv: list[str]) -> tuple[RecipeConfig, RunPaths | None, Path | None
     if resume is None:
         return load_config(overrides), None, None
     paths, checkpoint = resolve_resume(resume)
-    cfg = load_config(overrides, base=OmegaConf.load(paths.config))
+    saved = OmegaConf.load(paths.config)
+    if OmegaConf.select(saved, "optim.schedule_steps") is None:  # a run from before the key existed
+        OmegaConf.update(saved, "optim.schedule_steps", OmegaConf.select(saved, "trainer.max_steps"))
+    cfg = load_config(overrides, base=saved)
     cfg.resume = resume
     return cfg, paths, checkpoint
 

@@ -117,11 +117,13 @@ def load_config(overrides: list[str], *, base: DictConfig | None = None) -> Reci
         merged = OmegaConf.merge(schema, base, cli)
         if merged.builder != builder:
             raise ConfigError(f"builder cannot be overridden (the recipe uses {builder!r})")
-        return OmegaConf.to_object(merged)
+        cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
         raise ConfigError(str(err).splitlines()[0] + f" (key {err.full_key})") from err
     except ValueError as err:
         raise ConfigError(str(err)) from err
+    cfg.optim.schedule_steps = cfg.schedule_steps  # the horizon stays with the run (see its doc)
+    return cfg
 
 
 def to_yaml(cfg: RecipeConfig) -> str:

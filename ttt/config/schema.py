@@ -49,6 +49,12 @@ class OuterOptimConfig:
     """Linear warm-up from 0 over this many outer steps."""
     min_lr_ratio: float = 0.1
     """Final learning rate of cosine and linear schedules, as a fraction of lr."""
+    schedule_steps: int | None = None
+    """Outer steps the schedule spans (warm-up and decay); null: the first session's trainer.max_steps
+    (filled in when the config is loaded, so the run's config.yaml keeps it). A resume with a larger
+    trainer.max_steps keeps this schedule: past its end the lr stays at its final value (min_lr_ratio *
+    lr; constant: lr), without a jump. optim.schedule_steps=N on resume re-plans the decay over N steps
+    (the lr then moves to the new schedule's value at the current step)."""
 
     def __post_init__(self):
         if self.name not in OUTER_OPTIMIZERS:
@@ -67,6 +73,8 @@ class OuterOptimConfig:
             raise ValueError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.schedule_steps is not None and self.schedule_steps < 1:
+            raise ValueError(f"optim.schedule_steps must be >= 1 or null, got {self.schedule_steps}")
 
 
 @dataclass
@@ -174,3 +182,8 @@ class RecipeConfig:
     """Outer loop and Lightning Trainer options."""
     run: RunConfig = field(default_factory=RunConfig)
     """Run directory and logging."""
+
+    @property
+    def schedule_steps(self) -> int:
+        """Outer steps of the lr schedule: optim.schedule_steps, else trainer.max_steps."""
+        return self.trainer.max_steps if self.optim.schedule_steps is None else self.optim.schedule_steps
