@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import textwrap
 import time
 import warnings
 from datetime import timedelta
@@ -25,6 +26,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import OmegaConf
 
 from ttt.config import ConfigError, RecipeConfig, available_recipes, load_config, to_yaml
+from ttt.config.keys import format_config_keys
 from ttt.config.loading import recipe_header
 from ttt.tracking import (
     AtomicCheckpointIO,
@@ -46,6 +48,7 @@ from ttt.tracking import (
 
 USAGE = """\
 usage: python -m ttt.train recipe=NAME [key=value ...]
+       python -m ttt.train recipe=NAME --help     every key of recipe NAME: type, value, doc
 
 Meta-trains recipe NAME (configs/NAME.yaml), evaluates it on held-out tasks, prints a summary
 table and writes the run directory <run.root>/<run.name>/ (config.yaml, logs/, checkpoints/,
@@ -77,6 +80,21 @@ def usage() -> str:
         header = recipe_header(path).splitlines()
         lines.append(f"    {name:<20} {header[0] if header else ''}")
     return USAGE.format(recipes="\n".join(lines))
+
+
+def recipe_usage(argv: list[str]) -> str:
+    """The --help text of `recipe=NAME [key=value ...]`: the recipe's header, then every config key with
+    its type, its value in this recipe (after the overrides) and its doc."""
+    cfg = load_config([item for item in argv if item not in HELP_FLAGS])
+    header = recipe_header(available_recipes()[cfg.recipe])
+    return (
+        f"recipe {cfg.recipe}\n\n{textwrap.indent(header, '    ')}\n\n"
+        f"Keys (key: type = value in this recipe, then its doc); override any with key=value\n"
+        f"{format_config_keys(cfg)}"
+    )
+
+
+HELP_FLAGS = ("-h", "--help", "help")
 
 
 def _split_resume(argv: list[str]) -> tuple[str | None, list[str]]:
@@ -251,9 +269,16 @@ DIVERGED = 3
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `python -m ttt.train` and `ttt-train`; returns the exit status."""
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or any(item in ("-h", "--help", "help") for item in argv):
-        print(usage())
-        return 0 if argv else 2
+    if not argv or any(item in HELP_FLAGS for item in argv):
+        if not any(item.startswith("recipe=") for item in argv):
+            print(usage())
+            return 0 if argv else 2
+        try:
+            print(recipe_usage(argv))
+        except ConfigError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        return 0
     try:
         cfg, paths, checkpoint = prepare(argv)
     except (ConfigError, FileNotFoundError) as err:

@@ -12,3 +12,30 @@ def test_gpu_accelerator_without_a_gpu_fails_before_the_run_directory(tiny_overr
     assert main(tiny_overrides("maml_sinusoid", "run.name=gpu", "trainer.accelerator=gpu")) == 2
     assert "trainer.accelerator=gpu" in capsys.readouterr().err
     assert not (tmp_path / "gpu").exists()
+
+
+def test_recipe_help_lists_every_key_with_type_value_and_doc(capsys):
+    assert main(["recipe=maml_sinusoid", "inner.lr=0.05", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("recipe maml_sinusoid\n")
+    assert "  inner.lr: float = 0.05\n      Inner learning rate" in out
+    assert "  trainer.max_steps: int = " in out and "Outer (meta) optimizer steps." in out
+    assert "  optim.schedule_steps: int | None = " in out
+    assert "  trainer.detect_anomaly: bool = false" in out
+    assert main(["--help"]) == 0
+    assert "recipe=NAME --help" in capsys.readouterr().out
+
+
+def test_recipe_help_with_a_bad_key_names_it(capsys):
+    assert main(["recipe=maml_sinusoid", "inner.lrr=1", "--help"]) == 2
+    assert "inner.lrr" in capsys.readouterr().err
+
+
+def test_no_progress_bar_when_stdout_is_not_a_terminal(tiny_overrides, tmp_path):
+    from ttt.config import load_config
+    from ttt.tracking import OuterStepTimer, RunPaths
+    from ttt.train import make_trainer
+
+    cfg = load_config(tiny_overrides("maml_sinusoid", "trainer.progress_bar=true"))
+    trainer = make_trainer(cfg, RunPaths(tmp_path), OuterStepTimer())  # pytest captures stdout
+    assert trainer.progress_bar_callback is None
