@@ -43,6 +43,7 @@ from ttt.tracking import (
     load_checkpoint,
     new_run_dir,
     resolve_resume,
+    write_run_report,
     write_summary,
 )
 
@@ -52,7 +53,9 @@ usage: python -m ttt.train recipe=NAME [key=value ...]
 
 Meta-trains recipe NAME (configs/NAME.yaml), evaluates it on held-out tasks, prints a summary
 table and writes the run directory <run.root>/<run.name>/ (config.yaml, logs/, checkpoints/,
-summary.json).
+summary.json, training_curves.png, test_adapted_vs_unadapted.png). A NaN or infinite loss stops
+the run (exit status 3) with the step, the loss and the keys to look at; the last good checkpoint
+is kept.
 
 Overrides are OmegaConf dotlist items, applied on top of the recipe's YAML, e.g.
     trainer.max_steps=50  model.attention=eager  inner.params=[layers.1.mlp.*]  run.name=try1
@@ -259,6 +262,7 @@ def run(
     )
     if trainer.is_global_zero:
         write_summary(paths.summary, summary)
+        write_run_report(paths.root, summary)
     return summary
 
 

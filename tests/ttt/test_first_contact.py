@@ -39,3 +39,24 @@ def test_no_progress_bar_when_stdout_is_not_a_terminal(tiny_overrides, tmp_path)
     cfg = load_config(tiny_overrides("maml_sinusoid", "trainer.progress_bar=true"))
     trainer = make_trainer(cfg, RunPaths(tmp_path), OuterStepTimer())  # pytest captures stdout
     assert trainer.progress_bar_callback is None
+
+
+def test_a_maml_run_writes_training_curves_and_adapted_vs_unadapted_figures(tiny_overrides, tmp_path):
+    from ttt.tracking.report import read_logged_metrics
+
+    assert main(tiny_overrides("maml_sinusoid", "run.name=plots", "trainer.log_every_n_steps=1")) == 0
+    run = tmp_path / "plots"
+    for name in ("training_curves.png", "test_adapted_vs_unadapted.png"):
+        assert (run / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+    logged = read_logged_metrics(run)
+    assert [step for step, _ in logged["train/outer_loss"]] == [0, 1]
+    assert [step for step, _ in logged["val/query_loss_adapted"]] == [1]
+
+
+def test_adapted_vs_unadapted_figure_skips_what_it_cannot_draw(tmp_path):
+    from ttt.tracking.report import adapted_pairs, write_run_report
+
+    summary = {"query_loss_unadapted": 2.0, "query_loss_adapted": 1.0, "query_acc_unadapted": "nan"}
+    summary["query_acc_adapted"] = 0.5
+    assert adapted_pairs(summary) == ["query_loss"]
+    assert write_run_report(tmp_path, {"outer_steps": 3}) == {}  # no logs, no pairs: no figure

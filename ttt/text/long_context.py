@@ -13,17 +13,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import matplotlib
 import numpy as np
 import torch
 
+from ttt.tracking.report import new_figure, save_figure
 from ttt.tracking.summary import strict_json
 
 from .passkey import sample_passkey
 from .tokenizer import Tokenizer
-
-matplotlib.use("Agg")
-from matplotlib import pyplot as plt  # noqa: E402  (after choosing the file-only backend)
 
 MODES = {"adapted": True, "unadapted": False}
 """Figure suffix -> whether the model adapts (test-time training on) while reading."""
@@ -101,22 +98,19 @@ def write_csv(path: Path, rows: list[dict]) -> None:
 
 def plot_loss_by_position(path: Path, curves: dict[str, list[dict[str, float]]], title: str) -> None:
     """One line per curve name: loss against the middle position of each bin."""
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, (ax,) = new_figure()
     for name, rows in curves.items():
         ax.plot(
             [(r["start"] + r["end"]) / 2 for r in rows], [r["loss"] for r in rows], marker="o", label=name
         )
     ax.set(xlabel="token position", ylabel="next-token loss (nats)", title=title)
-    ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_passkey(path: Path, rows: list[dict[str, float]]) -> None:
     """Exact passkey accuracy against context length, with and without test-time training."""
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, (ax,) = new_figure()
     for mode in MODES:
         ax.plot(
             [r["length"] for r in rows], [r[f"exact_{mode}"] for r in rows], marker="o", label=f"TTT {mode}"
@@ -124,11 +118,8 @@ def plot_passkey(path: Path, rows: list[dict[str, float]]) -> None:
     ax.set(
         xlabel="context length (tokens)", ylabel="passkey exact accuracy", ylim=(-0.05, 1.05), xscale="log"
     )
-    ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def write_long_context_report(
