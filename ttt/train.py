@@ -20,10 +20,12 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import yaml
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from ttt.config import ConfigError, RecipeConfig, available_recipes, load_config, to_yaml
 from ttt.config.keys import format_config_keys
@@ -114,7 +116,13 @@ def prepare(argv: list[str]) -> tuple[RecipeConfig, RunPaths | None, Path | None
     if resume is None:
         return load_config(overrides), None, None
     paths, checkpoint = resolve_resume(resume)
-    saved = OmegaConf.load(paths.config)
+    try:
+        saved = OmegaConf.load(paths.config)
+    except (OSError, ValueError, OmegaConfBaseException, yaml.YAMLError) as err:
+        raise ConfigError(
+            f"resume={resume}: the run's {paths.config} is not readable YAML ({err}); it is written "
+            "atomically, so it was edited outside the run: restore it"
+        ) from err
     if OmegaConf.select(saved, "optim.schedule_steps") is None:  # a run from before the key existed
         OmegaConf.update(saved, "optim.schedule_steps", OmegaConf.select(saved, "trainer.max_steps"))
     cfg = load_config(overrides, base=saved)
