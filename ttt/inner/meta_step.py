@@ -33,6 +33,10 @@ class MetaStepResult:
     """Mean inner loss before each inner step, shape (steps,)."""
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
     """Mean of each metric returned by `outer_loss`."""
+    task_outer_losses: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+    """Outer loss of each task, shape (tasks,) (which task diverged, for the divergence guard)."""
+    task_inner_losses: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 0))
+    """Inner loss of each task before each inner step, shape (tasks, steps)."""
 
 
 def meta_step(
@@ -55,6 +59,7 @@ def meta_step(
     if not tasks:
         raise ValueError("meta_step needs at least one task")
     outer_total, inner_total, metric_totals = 0.0, None, {}
+    task_outer, task_inner = [], []
     for task in tasks:
         adaptation = inner_loop.adapt(
             lambda params, step, task=task: objective.inner_loss(params, task, step),
@@ -68,6 +73,8 @@ def meta_step(
         outer_total += loss.detach()
         inner = torch.stack(adaptation.losses) if adaptation.losses else loss.new_zeros(0)
         inner_total = inner if inner_total is None else inner_total + inner
+        task_outer.append(loss.detach())
+        task_inner.append(inner.detach())
         for name, value in metrics.items():
             metric_totals[name] = metric_totals.get(name, 0.0) + value.detach()
     n = len(tasks)
@@ -75,4 +82,6 @@ def meta_step(
         outer_loss=outer_total / n,
         inner_losses=inner_total / n,
         metrics={name: total / n for name, total in metric_totals.items()},
+        task_outer_losses=torch.stack(task_outer),
+        task_inner_losses=torch.stack(task_inner),
     )

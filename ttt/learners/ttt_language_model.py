@@ -85,22 +85,24 @@ class TTTLanguageLearner(pl.LightningModule):
                 losses.append(pass_losses)
         return (torch.cat(logits) if keep_logits else None), torch.cat(losses)
 
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
         optimizer, scheduler = self.optimizers(), self.lr_schedulers()
         passes, n_sequences = self.split_tasks(batch), len(batch["tokens"])
         optimizer.zero_grad()
-        total = torch.zeros((), device=self.device)
+        total, pass_losses = torch.zeros((), device=self.device), []
         backward = task_backward(self, optimizer, len(passes))  # DDP: one all-reduce per outer step
         for rows in passes:  # one pass's graph alive at a time
             losses = self.model.token_losses(rows["tokens"], lr_scale=self.inner_lr_scale())
             loss = losses.mean(1).sum() / n_sequences  # this pass's share of the batch mean
             backward(loss)
             total += loss.detach()
+            pass_losses.append(loss.detach())
         lr = outer_update(self, optimizer, scheduler, self.optim_cfg)
         metrics = {"train/loss": total, "train/lr": lr, "train/inner_lr_scale": self.inner_lr_scale()}
         self.log_dict(metrics, batch_size=n_sequences, sync_dist=True)
         self.log("loss", total, prog_bar=True, logger=False, batch_size=n_sequences)
-        return total
+        # Per-pass losses: the divergence guard (ttt.tracking) names the pass that went non-finite.
+        return {"loss": total, "pass_losses": torch.stack(pass_losses)}
 
     def position_losses(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Per-position losses (B, N - 1) of a held-out batch, with ("adapted") and without TTT."""

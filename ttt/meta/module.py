@@ -75,7 +75,7 @@ class MetaLearner(pl.LightningModule):
             raise ValueError(f"every tensor of a meta-batch needs the same leading size, got {sizes}")
         return [{name: value[i] for name, value in batch.items()} for i in range(sizes.pop())]
 
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
         optimizer, scheduler = self.optimizers(), self.lr_schedulers()
         tasks = self.split_tasks(batch)
         optimizer.zero_grad()
@@ -89,7 +89,12 @@ class MetaLearner(pl.LightningModule):
         metrics.update({f"train/{name}": value for name, value in result.metrics.items()})
         self.log_dict(metrics, batch_size=len(tasks), sync_dist=True)
         self.log("outer_loss", result.outer_loss, prog_bar=True, logger=False, batch_size=len(tasks))
-        return result.outer_loss
+        # Per-task losses: the divergence guard (ttt.tracking) names the task that went non-finite.
+        return {
+            "loss": result.outer_loss,
+            "task_outer_losses": result.task_outer_losses,
+            "task_inner_losses": result.task_inner_losses,
+        }
 
     def evaluate(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Query loss and metrics of a batch of held-out tasks, before and after inner adaptation

@@ -34,8 +34,38 @@ def _likely_causes(bad: set[str]) -> str:
     elif bad & {"train/inner_loss_last", "train/outer_loss"}:
         causes = "the inner updates diverged: inner.lr (and inner.grad_clip, inner.steps), trainer.precision"
     else:
-        causes = "optim.lr, optim.grad_clip, trainer.precision (and the inner learning rate of the recipe)"
+        causes = "inner.lr (and inner.grad_clip), optim.lr (and optim.grad_clip), trainer.precision"
     return causes
+
+
+def _which_tasks(outputs: Mapping) -> list[str]:
+    """Lines naming the tasks (or passes) whose losses are non-finite, from the per-task losses a
+    learner returns next to "loss": task_outer_losses (T,), task_inner_losses (T, steps), pass_losses (P,)."""
+    lines = []
+    for key, unit, units, what in (
+        ("task_inner_losses", "task", "tasks", "inner loss"),
+        ("task_outer_losses", "task", "tasks", "outer loss"),
+        ("pass_losses", "pass", "passes", "loss"),
+    ):
+        losses = outputs.get(key)
+        if not isinstance(losses, torch.Tensor) or losses.numel() == 0:
+            continue
+        bad = ~torch.isfinite(losses.detach().float().cpu())
+        if not bad.any():
+            continue
+        rows = sorted({int(i) for i in bad.nonzero()[:, 0]})
+        if len(rows) == len(losses):
+            which = f"all {len(rows)} {units}"
+        else:
+            shown = ", ".join(map(str, rows[:10])) + (", ..." if len(rows) > 10 else "")
+            which = f"{len(rows)} of {len(losses)} {units} (meta-batch index {shown})"
+        line = f"  {what} non-finite in {which}"
+        if losses.dim() == 2:
+            step = int(bad[rows[0]].nonzero()[0, 0])
+            line += f"; {unit} {rows[0]} first at inner step {step} of {losses.shape[1]}"
+            line += " (step 0: before any update)" if step == 0 else " (after inner updates)"
+        lines.append(line)
+    return lines
 
 
 def _finite(value: torch.Tensor | float) -> bool:
@@ -74,6 +104,8 @@ class DivergenceGuard(pl.Callback):
         for name in sorted(bad):
             value = float(metrics[name]) if metrics[name].numel() == 1 else "non-finite entries"
             lines.append(f"  {name} = {value}  ({WATCHED_LOSSES.get(name, 'returned by training_step')})")
+        if isinstance(outputs, Mapping):
+            lines += _which_tasks(outputs)
         finite = sorted(set(metrics) - bad)
         if finite:
             lines.append("  finite: " + ", ".join(f"{n} = {float(metrics[n]):.4g}" for n in finite))
