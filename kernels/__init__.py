@@ -21,11 +21,23 @@ Backends
     before kernels was imported. "torch": plain PyTorch with the same semantics (the reference and
     the CPU training path; O(N*M) memory). "auto": triton on CUDA, torch otherwise.
 
+Hugging Face transformers
+    register_transformers(name="bob") makes `attn_implementation="bob"` run every attention call of a
+    transformers model through flash_attention (kernels.transformers_attention; transformers is
+    imported only inside that call).
+
 Known limits
     No dropout, no attention bias or arbitrary masks, no variable-length (packed) batches.
     The Triton path does not support vmap over the op.
 """
 
 from .api import attention_backward, attention_bob, attention_forward, flash_attention
+from .transformers_attention import register_transformers
 
-__all__ = ["flash_attention", "attention_forward", "attention_backward", "attention_bob"]
+__all__ = [
+    "flash_attention",
+    "attention_forward",
+    "attention_backward",
+    "attention_bob",
+    "register_transformers",
+]

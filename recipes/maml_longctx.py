@@ -14,6 +14,7 @@ from ttt.inner import InnerLoopConfig
 from ttt.learners import ContextChunksConfig, ContextLearner
 from ttt.meta import TaskDataModule
 from ttt.models import Transformer, TransformerConfig
+from ttt.models.hf_causal_lm import TransformersModelConfig, load_causal_lm
 from ttt.tasks import KVRecallConfig, sample_kv_recall
 
 
@@ -29,27 +30,43 @@ class Config(RecipeConfig):
     """The inner loop."""
     context: ContextChunksConfig = field(default_factory=ContextChunksConfig)
     """How the inner loop reads the context."""
+    transformers: TransformersModelConfig = field(default_factory=TransformersModelConfig)
+    """transformers.checkpoint=DIR: train that transformers causal LM instead of `model`."""
 
     def __post_init__(self):
-        if self.model.window is None:
-            raise ValueError("model.window must be set for maml_longctx: full attention would see the pairs")
-        reach = self.model.n_layers * (self.model.window - 1)
-        if self.task.filler_len < reach:
-            raise ValueError(
-                f"task.filler_len ({self.task.filler_len}) must be >= model.n_layers * (model.window - 1) "
-                f"= {reach}, or the queries could attend to the pairs without any adaptation"
-            )
-        if self.model.vocab_size < self.task.vocab_size:
-            raise ValueError(
-                f"model.vocab_size ({self.model.vocab_size}) must be >= the task's vocabulary "
-                f"({self.task.vocab_size} = 2 + n_filler_tokens + n_keys + n_values)"
-            )
+        if self.transformers.checkpoint is None:
+            check_model_fits_task(self.model, self.task, "model")
+
+
+def check_model_fits_task(model, task: KVRecallConfig, where: str) -> None:
+    """model (window, n_layers, vocab_size) must not reach the pairs from the queries and must cover
+    the task's vocabulary; `where` names the config section in the error."""
+    if model.window is None:
+        raise ValueError(
+            f"{where}: every layer needs a sliding window for maml_longctx (full attention sees the pairs)"
+        )
+    reach = model.n_layers * (model.window - 1)
+    if task.filler_len < reach:
+        raise ValueError(
+            f"task.filler_len ({task.filler_len}) must be >= {where} n_layers * (window - 1) "
+            f"= {reach}, or the queries could attend to the pairs without any adaptation"
+        )
+    if model.vocab_size < task.vocab_size:
+        raise ValueError(
+            f"{where} vocab_size ({model.vocab_size}) must be >= the task's vocabulary "
+            f"({task.vocab_size} = 2 + n_filler_tokens + n_keys + n_values)"
+        )
 
 
 def build(cfg: Config) -> tuple[ContextLearner, TaskDataModule]:
-    """The learner (a fresh Transformer) and the task stream of `cfg`."""
+    """The learner (a fresh Transformer, or the transformers checkpoint) and the task stream of `cfg`."""
+    if cfg.transformers.checkpoint is None:
+        model = Transformer(cfg.model)
+    else:
+        model = load_causal_lm(cfg.transformers)
+        check_model_fits_task(model.cfg, cfg.task, f"transformers.checkpoint={cfg.transformers.checkpoint}")
     learner = ContextLearner(
-        Transformer(cfg.model),
+        model,
         cfg.inner,
         cfg.optim,
         cfg.schedule_steps,

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 from ttt.config import RecipeConfig
 from ttt.inner import InnerLoopConfig
 from ttt.learners.ttt_language_model import TTTLanguageLearner
+from ttt.meta import TaskDataModule
 from ttt.models import Transformer, TransformerConfig
 from ttt.text.corpus import TextDataConfig, split_windows
-from ttt.text.data import TextDataModule
 from ttt.text.long_context import LongContextEvalConfig
 from ttt.text.tokenizer import load_tokenizer
 from ttt.ttt_layers import TTTConfig, TTTTransformer
@@ -35,16 +35,14 @@ class Config(RecipeConfig):
     """Loss by position and passkey retrieval after training."""
 
 
-def build_data(cfg: Config, tokenizer) -> TextDataModule:
-    """Token windows of the corpus's train / val / test documents, batched as the trainer section says."""
-    return TextDataModule(
-        split_windows(cfg.data, tokenizer),
+def build_data(cfg: Config, tokenizer) -> TaskDataModule:
+    """Token windows of the corpus's train / val / test documents, batched as the trainer section says:
+    batches {"tokens": (meta_batch_size, seq_len)}."""
+    windows = split_windows(cfg.data, tokenizer)
+    return TaskDataModule.from_trainer(
+        {split: windows_of_split.sample for split, windows_of_split in windows.items()},
         seed=cfg.seed,
-        batch_size=cfg.trainer.meta_batch_size,
-        steps_per_epoch=cfg.trainer.steps_per_epoch,
-        val_sequences=cfg.trainer.val_tasks,
-        test_sequences=cfg.trainer.test_tasks,
-        eval_batch_size=cfg.trainer.eval_batch_size,
+        trainer=cfg.trainer,
     )
 
 
@@ -55,7 +53,7 @@ def build_learner(cfg: Config, model: TTTTransformer, tokenizer) -> TTTLanguageL
     )
 
 
-def build(cfg: Config) -> tuple[TTTLanguageLearner, TextDataModule]:
+def build(cfg: Config) -> tuple[TTTLanguageLearner, TaskDataModule]:
     """A fresh TTT transformer and the text stream of `cfg`."""
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     if cfg.model.vocab_size < tokenizer.vocab_size:

@@ -18,9 +18,9 @@ from pathlib import Path
 from ttt.config import RecipeConfig
 from ttt.inner import InnerLoopConfig
 from ttt.learners.ttt_language_model import TTTLanguageLearner
+from ttt.meta import TaskDataModule
 from ttt.models import Transformer, TransformerConfig, from_pretrained
 from ttt.text.corpus import TextDataConfig
-from ttt.text.data import TextDataModule
 from ttt.text.long_context import LongContextEvalConfig
 from ttt.text.tokenizer import load_tokenizer
 from ttt.ttt_layers import TTTConfig, TTTTransformer
@@ -104,7 +104,7 @@ def load_base_model(cfg: PretrainedConfig) -> Transformer:
     return model
 
 
-def build(cfg: Config) -> tuple[TTTLanguageLearner, TextDataModule]:
+def build(cfg: Config) -> tuple[TTTLanguageLearner, TaskDataModule]:
     """The converted pretrained model and the text stream of `cfg`."""
     spec = cfg.data.tokenizer
     if spec == "checkpoint":

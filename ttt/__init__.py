@@ -2,8 +2,9 @@
 
 Layout
     ttt.models       decoder-only transformer and small MLP; one attention switch for all of them
-    ttt.inner        the inner-loop engine: differentiable optimizers, `InnerLoop.adapt`, `meta_step`
-    ttt.meta         the Lightning meta-learning module and task data module
+    ttt.inner        the inner-loop engine: `inner_step` (step.py, every inner gradient), differentiable
+                     optimizers, `InnerLoop.step` / `InnerLoop.adapt`, `meta_step`
+    ttt.meta         the outer step `OuterLearner` (learner.py), `MetaLearner` on it, `TaskDataModule`
     ttt.learners     ready-made MetaLearner subclasses (context test-time training, regression)
     ttt.tasks        synthetic task generators (long-context key-value recall, sinusoid)
     ttt.text         local text corpora through Hugging Face datasets, no-download tokenizers
@@ -11,4 +12,7 @@ Layout
     ttt.config       typed configs, recipe loading and override checking
     ttt.tracking     run directories, atomic checkpoints, timing, summaries
     ttt.train        the command line: `python -m ttt.train recipe=NAME key=value ...`
+
+To read first: ttt/inner/step.py (one inner step), ttt/meta/learner.py (one outer step), and
+recipes/maml_sinusoid.py (a recipe: config, learner, data).
 """

@@ -1,11 +1,14 @@
 """Every recipe YAML loads against its schema; bad names, keys and values fail with helpful messages."""
 
-import lightning.pytorch as pl
+import numpy as np
 import pytest
+import torch
 
 from recipes import load_builder
 from ttt.config import ConfigError, available_recipes, load_config, to_yaml
 from ttt.config.loading import recipe_header
+from ttt.meta import MetaLearner, SyntheticTasks, TaskDataModule
+from ttt.meta.data import TRAIN_STREAM, VAL_STREAM, task_rng
 from ttt.train import main
 
 RECIPES = sorted(available_recipes())
@@ -28,8 +31,19 @@ def test_every_yaml_loads_and_documents_its_launch_command(name):
 def test_maml_recipes_build_their_learner_and_data(name):
     cfg = load_config([f"recipe={name}"])
     learner, data = load_builder(cfg.builder).build(cfg)
-    assert isinstance(learner, pl.LightningModule) and isinstance(data, pl.LightningDataModule)
-    assert next(iter(data.val_dataloader())) is not None
+    assert isinstance(learner, MetaLearner) and isinstance(data, TaskDataModule)
+    assert learner.total_steps == cfg.trainer.max_steps and learner.inner_cfg == cfg.inner
+    # The first validation batch holds the validation stream's first tasks, stacked; training reads
+    # the training stream from task 0.
+    batch = next(iter(data.val_dataloader()))
+    rows = min(cfg.trainer.eval_batch_size, cfg.trainer.val_tasks)
+    first = data.samples["val"](task_rng(cfg.seed, VAL_STREAM, 0))
+    assert set(batch) == set(first)
+    for key, value in first.items():
+        assert batch[key].shape == (rows, *value.shape), key
+        np.testing.assert_array_equal(batch[key][0].numpy(), value, err_msg=key)
+    train_first = SyntheticTasks(data.samples["train"], seed=cfg.seed, stream=TRAIN_STREAM)[0]
+    assert not all(torch.equal(train_first[key], torch.from_numpy(first[key])) for key in first)
 
 
 def test_unknown_recipe_lists_the_recipes():

@@ -17,7 +17,7 @@ def test_divergence_stops_the_run_with_the_step_loss_and_keys(tiny_overrides, tm
     err = capsys.readouterr().err
     assert "diverged at outer step 1" in err
     assert "train/outer_loss = " in err and "outer (query) loss" in err
-    assert "outer loss non-finite in all 2 tasks" in err
+    assert "outer_loss non-finite in all 2 passes" in err
     assert "inner.lr" in err and "trainer.precision" in err
     assert not (tmp_path / "nan" / "checkpoints" / "last.ckpt").exists()
     assert not (tmp_path / "nan" / "summary.json").exists()
@@ -83,19 +83,18 @@ def test_detect_anomaly_reaches_the_trainer(tiny_overrides, tmp_path):
     assert trainer._detect_anomaly
 
 
-def test_guard_names_the_task_pass_and_inner_step():
+def test_guard_names_the_passes():
     outputs = {
         "loss": torch.tensor(float("nan")),
-        "task_inner_losses": torch.tensor([[1.0, 2.0], [1.0, float("inf")], [1.0, 1.0]]),
-        "task_outer_losses": torch.tensor([1.0, float("nan"), 1.0]),
-        "pass_losses": torch.tensor([0.5, float("nan")]),
+        "pass_metrics": {
+            "inner_loss_last": torch.tensor([1.0, float("inf"), 1.0]),
+            "outer_loss": torch.tensor([1.0, float("nan"), float("nan")]),
+            "query_acc": torch.tensor([0.5, 0.5, 0.5]),
+        },
     }
     with pytest.raises(DivergenceError) as info:
         DivergenceGuard().on_train_batch_end(_trainer(), None, outputs, None, 0)
     message = str(info.value)
-    assert (
-        "inner loss non-finite in 1 of 3 tasks (meta-batch index 1); task 1 first at inner step 1 of 2"
-        in message
-    )
-    assert "outer loss non-finite in 1 of 3 tasks (meta-batch index 1)" in message
-    assert "loss non-finite in 1 of 2 passes (meta-batch index 1)" in message
+    assert "inner_loss_last non-finite in 1 of 3 passes (index 1)" in message
+    assert "outer_loss non-finite in 2 of 3 passes (index 1, 2)" in message
+    assert "query_acc" not in message

@@ -4,8 +4,17 @@ import pytest
 import torch
 from torch import nn
 
-from ttt.inner import InnerLoop, InnerLoopConfig, functional_forward, meta_step, select_parameters
-from ttt.inner.loop import clip_by_global_norm
+from ttt.inner import (
+    InnerLoop,
+    InnerLoopConfig,
+    InnerMomentum,
+    InnerSGD,
+    clip_by_global_norm,
+    functional_forward,
+    inner_step,
+    meta_step,
+    select_parameters,
+)
 
 
 def _quadratic(dim=4, seed=0):
@@ -223,3 +232,46 @@ def test_adapt_explains_that_inference_mode_blocks_it():
         pytest.raises(RuntimeError, match="inference_mode=False"),
     ):
         loop.adapt(lambda p, s: p["w"].sum(), {"w": w})
+
+
+def test_inner_step_per_row_with_data_dependent_lrs_steps_each_row_as_on_its_own():
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(3, 4, dtype=torch.float64, generator=gen, requires_grad=True)  # (B, 4): 3 problems
+    targets = 5 * torch.randn(3, 4, dtype=torch.float64, generator=gen)
+    lrs = torch.rand(3, 1, dtype=torch.float64, generator=gen)  # one (data-dependent) lr per row
+    optimizer = InnerMomentum(0.5)
+
+    def loss(p, rows):
+        return (p - targets[rows]).square().sum()
+
+    state = optimizer.init({"w": w})
+    new, state = inner_step(
+        loss(w, slice(None)), {"w": w}, state, optimizer=optimizer, lrs={"w": lrs},
+        create_graph=True, grad_clip=1.0, per_row=True,
+    )  # fmt: skip
+    for row in range(3):
+        w_row = w[row]
+        alone, alone_state = inner_step(
+            loss(w_row, row), {"w": w_row}, optimizer.init({"w": w_row}), optimizer=optimizer,
+            lrs={"w": lrs[row, 0]}, create_graph=True, grad_clip=1.0,
+        )  # fmt: skip
+        torch.testing.assert_close(new["w"][row], alone["w"], rtol=1e-12, atol=0)
+        torch.testing.assert_close(state["velocity"]["w"][row], alone_state["velocity"]["w"])
+
+
+def test_inner_loop_step_scales_and_casts_the_learnable_lrs_in_one_place():
+    w = torch.tensor([1.0, -2.0], dtype=torch.float64, requires_grad=True)
+    loop = InnerLoop({"w": w}, InnerLoopConfig(lr=0.3, learnable_lr="element"))
+    assert loop.lrs[0].dtype == torch.float32
+    state = loop.init_state({"w": w})
+    new, _ = loop.step((w.square() / 2).sum(), {"w": w}, state, create_graph=True, lr_scale=0.5)
+    assert new["w"].dtype == torch.float64
+    torch.testing.assert_close(new["w"], w * (1 - 0.5 * 0.3), rtol=1e-7, atol=0)
+    (lr_grad,) = torch.autograd.grad(new["w"].sum(), list(loop.parameters()))
+    torch.testing.assert_close(lr_grad, -0.5 * w.detach().float())  # d(w - s * lr * w)/d lr
+
+
+def test_inner_step_refuses_a_non_scalar_loss():
+    w = torch.zeros(2, requires_grad=True)
+    with pytest.raises(ValueError, match="scalar"):
+        inner_step(w * 2, {"w": w}, {}, optimizer=InnerSGD(), lrs={"w": 0.1}, create_graph=False)

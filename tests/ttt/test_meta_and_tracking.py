@@ -131,3 +131,29 @@ def test_peak_memory_is_read_at_train_end(monkeypatch):
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 3 * 2**30)
     timer.on_train_end(None, types.SimpleNamespace(device=torch.device("cuda")))
     assert timer.peak_memory_gib == 3.0
+
+
+class _BareLossLearner(ShiftLearner):
+    def outer_loss(self, params, task):
+        return (self.forward_with(params, task["xq"]) - task["yq"]).square().mean()
+
+
+class _VectorLossLearner(ShiftLearner):
+    def outer_loss(self, params, task):
+        return (self.forward_with(params, task["xq"]) - task["yq"]).square()
+
+
+def test_outer_loss_may_return_the_loss_alone_but_must_return_a_scalar():
+    torch.manual_seed(0)
+    inner, optim = InnerLoopConfig(params=["bias"], steps=2, lr=0.3), OuterOptimConfig()
+    bare = _BareLossLearner(nn.Linear(1, 1), inner, optim, 1)
+    with_metrics = ShiftLearner(nn.Linear(1, 1), inner, optim, 1)
+    with_metrics.load_state_dict(bare.state_dict())
+    got, want = bare.evaluate(_shift_batch()), with_metrics.evaluate(_shift_batch())
+    assert set(got) == {"query_loss_unadapted", "query_loss_adapted"}
+    assert got["query_loss_adapted"] == want["query_loss_adapted"] < want["query_loss_unadapted"]
+    share, metrics = bare.pass_loss(bare.split_passes(_shift_batch())[0], batch_size=4)
+    assert share.requires_grad and set(metrics) == {"outer_loss", "inner_loss_first", "inner_loss_last"}
+    vector = _VectorLossLearner(nn.Linear(1, 1), inner, optim, 1)
+    with pytest.raises(ValueError, match=r"outer_loss must return a scalar tensor.*\(8, 1\)"):
+        vector.evaluate(_shift_batch())

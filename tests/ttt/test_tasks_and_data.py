@@ -1,12 +1,13 @@
 """Task generators, task streams and the context chunking of the long-context learner."""
 
 import numpy as np
+import pytest
 import torch
 
 from ttt.config import OuterOptimConfig
 from ttt.inner import InnerLoopConfig
 from ttt.learners import ContextChunksConfig, ContextLearner
-from ttt.meta import StepAlignedSampler, SyntheticTasks, held_out_tasks
+from ttt.meta import StepAlignedSampler, SyntheticTasks, TaskDataModule, held_out_tasks
 from ttt.meta.data import TEST_STREAM, TRAIN_STREAM, VAL_STREAM
 from ttt.models import Transformer, TransformerConfig
 from ttt.tasks import KVRecallConfig, SinusoidConfig, sample_kv_recall, sample_sinusoid
@@ -97,3 +98,20 @@ def test_context_loss_weight_adds_the_context_next_token_loss_but_not_to_the_rep
     batch = {k: v[None] for k, v in task.items()}
     evaluated = learner.evaluate(batch)
     torch.testing.assert_close(evaluated["query_loss_unadapted"], plain.detach())
+
+
+def test_one_data_module_serves_one_sampler_or_one_per_split():
+    def constant(value):
+        return lambda rng: {"x": np.full(2, value, dtype=np.float32), "noise": rng.random(1)}
+
+    sizes = dict(seed=0, meta_batch_size=3, steps_per_epoch=2, val_tasks=4, test_tasks=2, eval_batch_size=2)
+    text_like = TaskDataModule({"train": constant(0), "val": constant(1), "test": constant(2)}, **sizes)
+    loaders = [text_like.train_dataloader(), text_like.val_dataloader(), text_like.test_dataloader()]
+    for split_value, loader in enumerate(loaders):
+        batches = list(loader)
+        assert {float(b["x"].unique()) for b in batches} == {split_value}
+        assert [len(b["x"]) for b in batches] == [[3, 3], [2, 2], [2]][split_value]
+    shared = TaskDataModule(constant(5), **sizes)
+    torch.testing.assert_close(next(iter(shared.val_dataloader()))["noise"], next(iter(loaders[1]))["noise"])
+    with pytest.raises(ValueError, match="one per split"):
+        TaskDataModule({"train": constant(0), "test": constant(2)}, **sizes)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-OUTER_OPTIMIZERS = ("adamw", "adam", "sgd")
+OUTER_OPTIMIZERS = ("adamw", "adam", "sgd", "sophia_h", "adahessian")
 SCHEDULERS = ("constant", "cosine", "linear")
 STRATEGIES = ("auto", "ddp")
 _SHARDING = (
@@ -32,7 +32,7 @@ class OuterOptimConfig:
     """The outer (meta) optimizer and its learning-rate schedule."""
 
     name: str = "adamw"
-    """Optimizer: adamw, adam or sgd."""
+    """Optimizer: adamw, adam, sgd, or a Hessian optimizer (ttt.second_order): sophia_h, adahessian."""
     lr: float = 1e-3
     """Peak learning rate."""
     weight_decay: float = 0.0
@@ -55,6 +55,8 @@ class OuterOptimConfig:
     trainer.max_steps keeps this schedule: past its end the lr stays at its final value (min_lr_ratio *
     lr; constant: lr), without a jump. optim.schedule_steps=N on resume re-plans the decay over N steps
     (the lr then moves to the new schedule's value at the current step)."""
+    hessian_update_interval: int = 10
+    """sophia_h, adahessian: steps between Hessian-diagonal estimates (the first step has one)."""
 
     def __post_init__(self):
         if self.name not in OUTER_OPTIMIZERS:
@@ -75,6 +77,10 @@ class OuterOptimConfig:
             raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.schedule_steps is not None and self.schedule_steps < 1:
             raise ValueError(f"optim.schedule_steps must be >= 1 or null, got {self.schedule_steps}")
+        if self.hessian_update_interval < 1:
+            raise ValueError(
+                f"optim.hessian_update_interval must be >= 1, got {self.hessian_update_interval}"
+            )
 
 
 @dataclass

@@ -90,8 +90,8 @@ def _timed_step(model: nn.Module, step: Callable[[], None], device: torch.device
     return time.perf_counter() - start
 
 
-def _measure(setup: ProbeSetup, point: Point, warmup: bool, warmup_limit_s, limit_s) -> dict:
-    model, step = build(setup, point)
+def _measure(setup: ProbeSetup, point: Point, warmup: bool, warmup_limit_s, limit_s, builder) -> dict:
+    model, step = builder(setup, point)
     params_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     row = {"params_gib": params_bytes / GIB}
     if warmup:
@@ -119,9 +119,12 @@ def measure(
     time_limit_s: float | None,
     warmup: bool = False,
     warmup_limit_s: float | None = None,
+    builder: Callable[[ProbeSetup, Point], tuple[nn.Module, Callable[[], None]]] = build,
 ) -> dict:
     """Run and measure one meta step at `point` within time_limit_s (None: no limit). With `warmup`,
     a first step (compilation included) is timed alone before, within warmup_limit_s (None: no limit).
+    builder(setup, point) -> (model, step) makes the workload (default: `workloads.build`; any setup
+    with a `device` works with another builder, e.g. benchmarks/transformers_meta_step.py).
 
     Returns {"status": ok | oom | timeout | error, "error": message or "", "seconds", "first_call_s",
     "peak_gib", "saved_gib", "params_gib"}; after a failure the measured values are None.
@@ -129,7 +132,7 @@ def measure(
     row = dict.fromkeys(("seconds", "first_call_s", "peak_gib", "saved_gib", "params_gib"))
     status, error = "ok", ""
     try:
-        row.update(_measure(setup, point, warmup, warmup_limit_s, time_limit_s))
+        row.update(_measure(setup, point, warmup, warmup_limit_s, time_limit_s, builder))
     except PointTimeout as err:
         status, error = "timeout", str(err)
     except Exception as err:

@@ -7,10 +7,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from .config import InnerLoopConfig
 from .optimizers import make_inner_optimizer
+from .step import LearningRates, Tensors, inner_step, maybe_checkpoint
 
 InnerLossFn = Callable[[dict[str, torch.Tensor], int], torch.Tensor]
 """loss_fn(params, step) -> scalar loss: the inner loss at `step` (0-based) with the given params."""
@@ -24,18 +24,6 @@ class Adaptation:
     """Adapted parameters by name, differentiable with respect to the initial ones (and the lrs)."""
     losses: list[torch.Tensor]
     """The inner loss before each step, detached scalars (one per step)."""
-
-
-def clip_by_global_norm(
-    grads: Mapping[str, torch.Tensor], max_norm: float, *, per_row: bool = False
-) -> dict[str, torch.Tensor]:
-    """Scale all grads by min(1, max_norm / ||grads||) (global L2 norm); differentiable, no in-place ops.
-    per_row: the grads are (B, ...), one problem per row (a sequence's own fast weights), and each row
-    gets its own norm and factor."""
-    start = 1 if per_row else 0
-    total = torch.sqrt(sum(g.float().square().flatten(start).sum(-1) for g in grads.values()))
-    factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    return {n: g * factor.view(factor.shape + (1,) * (g.dim() - start)).to(g.dtype) for n, g in grads.items()}
 
 
 class InnerLoop(nn.Module):
@@ -68,21 +56,56 @@ class InnerLoop(nn.Module):
             return dict.fromkeys(self.names, self.cfg.lr)
         return dict(zip(self.names, self.lrs))
 
-    def _step(self, loss_fn: InnerLossFn, step: int, params: dict, state: dict, create_graph: bool):
-        loss = loss_fn(params, step)
-        if loss.dim() != 0:
-            raise ValueError(f"the inner loss must be a scalar, got shape {tuple(loss.shape)}")
-        grads = torch.autograd.grad(
-            loss, list(params.values()), create_graph=create_graph, materialize_grads=True
-        )
-        grads = dict(zip(params, grads))
-        if self.cfg.grad_clip is not None:
-            grads = clip_by_global_norm(grads, self.cfg.grad_clip)
-        lrs = {
-            n: lr.to(params[n].dtype) if torch.is_tensor(lr) else lr
+    def step_lrs(self, params: Mapping[str, torch.Tensor], lr_scale: float = 1.0) -> LearningRates:
+        """The learning rates of one step on `params`: `learning_rates()` times lr_scale (warm-up), tensors
+        cast to their parameter's dtype (float32 lrs with float64 or half fast weights)."""
+        return {
+            n: (lr.to(params[n].dtype) if torch.is_tensor(lr) else lr) * lr_scale
             for n, lr in self.learning_rates().items()
         }
-        new_params, new_state = self.optimizer.step(params, grads, state, lrs)
+
+    def init_state(self, params: Mapping[str, torch.Tensor]) -> dict:
+        """The inner optimizer's state before the first step on `params` (per-row fast weights too)."""
+        return self.optimizer.init(params)
+
+    def step(
+        self,
+        loss: torch.Tensor,
+        params: Mapping[str, torch.Tensor],
+        state: dict,
+        *,
+        create_graph: bool,
+        lr_scale: float = 1.0,
+        lrs: LearningRates | None = None,
+        per_row: bool = False,
+        retain_graph: bool | None = None,
+    ) -> tuple[Tensors, dict]:
+        """One `inner_step` on the scalar `loss` with this loop's optimizer, clipping (cfg.grad_clip) and
+        learning rates `step_lrs(params, lr_scale)`; a caller that takes many steps with the same lrs may
+        compute them once and pass them as lrs instead of lr_scale. params keyed like at construction,
+        each the parameter's shape, or (B, ...) with per_row (one problem per row, each clipped by its own
+        norm; `loss` the sum of the rows' losses). Returns (new params, new state)."""
+        if lrs is None:
+            lrs = self.step_lrs(params, lr_scale)
+        elif lr_scale != 1.0:
+            raise ValueError(
+                "InnerLoop.step takes lr_scale or lrs (from step_lrs(params, lr_scale)), not both"
+            )
+        return inner_step(
+            loss,
+            params,
+            state,
+            optimizer=self.optimizer,
+            lrs=lrs,
+            create_graph=create_graph,
+            grad_clip=self.cfg.grad_clip,
+            per_row=per_row,
+            retain_graph=retain_graph,
+        )
+
+    def _loss_and_step(self, loss_fn: InnerLossFn, step: int, params: dict, state: dict, create_graph: bool):
+        loss = loss_fn(params, step)
+        new_params, new_state = self.step(loss, params, state, create_graph=create_graph)
         return new_params, new_state, loss.detach()
 
     def adapt(
@@ -113,14 +136,17 @@ class InnerLoop(nn.Module):
         steps = self.cfg.steps if steps is None else steps
         first_order = self.cfg.first_order if first_order is None else first_order
         current = {n: p if p.requires_grad else p.detach().requires_grad_() for n, p in params.items()}
-        state = self.optimizer.init(current)
+        state = self.init_state(current)
         losses = []
         for step in range(steps):
-            if self.cfg.checkpoint:
-                current, state, loss = checkpoint(
-                    self._step, loss_fn, step, current, state, not first_order, use_reentrant=False
-                )
-            else:
-                current, state, loss = self._step(loss_fn, step, current, state, not first_order)
+            current, state, loss = maybe_checkpoint(
+                self._loss_and_step,
+                loss_fn,
+                step,
+                current,
+                state,
+                not first_order,
+                enabled=self.cfg.checkpoint,
+            )
             losses.append(loss)
         return Adaptation(params=current, losses=losses)

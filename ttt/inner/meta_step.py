@@ -19,8 +19,49 @@ class TaskObjective(Protocol):
 
     def outer_loss(
         self, params: dict[str, torch.Tensor], task: Any
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Scalar outer (query) loss of `task` with adapted `params`, and extra detached metrics."""
+    ) -> torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Scalar outer (query) loss of `task` with adapted `params`, alone or with extra detached
+        metrics by name."""
+
+
+@dataclass
+class TaskResult:
+    """One task adapted and scored by `adapt_and_score`."""
+
+    outer_loss: torch.Tensor
+    """Scalar outer loss with the adapted params, differentiable into the initial params and lrs."""
+    inner_losses: torch.Tensor
+    """The detached inner loss before each inner step, shape (steps,)."""
+    metrics: dict[str, torch.Tensor]
+    """The detached metrics `outer_loss` returned (empty when it returned the loss alone)."""
+
+
+def adapt_and_score(
+    objective: TaskObjective,
+    inner_loop: InnerLoop,
+    initial_params: Mapping[str, torch.Tensor],
+    task: Any,
+    *,
+    steps: int | None = None,
+    first_order: bool | None = None,
+) -> TaskResult:
+    """Adapt `initial_params` to one task with `inner_loop` (steps / first_order override its config) and
+    take the task's outer loss with the adapted params."""
+    adaptation = inner_loop.adapt(
+        lambda params, step: objective.inner_loss(params, task, step),
+        initial_params,
+        steps=steps,
+        first_order=first_order,
+    )
+    scored = objective.outer_loss(adaptation.params, task)
+    loss, metrics = (scored, {}) if torch.is_tensor(scored) else scored
+    if not torch.is_tensor(loss) or loss.dim() != 0:
+        raise ValueError(
+            "outer_loss must return a scalar tensor or (scalar tensor, dict of metrics), got "
+            f"{type(loss).__name__}{'' if not torch.is_tensor(loss) else tuple(loss.shape)}"
+        )
+    inner = torch.stack(adaptation.losses) if adaptation.losses else loss.new_zeros(0)
+    return TaskResult(outer_loss=loss, inner_losses=inner, metrics=metrics)
 
 
 @dataclass
@@ -33,10 +74,6 @@ class MetaStepResult:
     """Mean inner loss before each inner step, shape (steps,)."""
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
     """Mean of each metric returned by `outer_loss`."""
-    task_outer_losses: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
-    """Outer loss of each task, shape (tasks,) (which task diverged, for the divergence guard)."""
-    task_inner_losses: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 0))
-    """Inner loss of each task before each inner step, shape (tasks, steps)."""
 
 
 def meta_step(
@@ -59,29 +96,19 @@ def meta_step(
     if not tasks:
         raise ValueError("meta_step needs at least one task")
     outer_total, inner_total, metric_totals = 0.0, None, {}
-    task_outer, task_inner = [], []
     for task in tasks:
-        adaptation = inner_loop.adapt(
-            lambda params, step, task=task: objective.inner_loss(params, task, step),
-            initial_params,
-            steps=steps,
-            first_order=first_order,
+        result = adapt_and_score(
+            objective, inner_loop, initial_params, task, steps=steps, first_order=first_order
         )
-        loss, metrics = objective.outer_loss(adaptation.params, task)
         if backward is not None:
-            backward(loss / len(tasks))
-        outer_total += loss.detach()
-        inner = torch.stack(adaptation.losses) if adaptation.losses else loss.new_zeros(0)
-        inner_total = inner if inner_total is None else inner_total + inner
-        task_outer.append(loss.detach())
-        task_inner.append(inner.detach())
-        for name, value in metrics.items():
+            backward(result.outer_loss / len(tasks))
+        outer_total += result.outer_loss.detach()
+        inner_total = result.inner_losses if inner_total is None else inner_total + result.inner_losses
+        for name, value in result.metrics.items():
             metric_totals[name] = metric_totals.get(name, 0.0) + value.detach()
     n = len(tasks)
     return MetaStepResult(
         outer_loss=outer_total / n,
         inner_losses=inner_total / n,
         metrics={name: total / n for name, total in metric_totals.items()},
-        task_outer_losses=torch.stack(task_outer),
-        task_inner_losses=torch.stack(task_inner),
     )

@@ -1,20 +1,42 @@
 """Differentiable inner optimizers: pure functions of (params, grads, state, lrs).
 
-Each optimizer has `init(params) -> state` and `step(params, grads, state, lrs) -> (params, state)`,
-where params, grads and lrs are dicts keyed by parameter name (lrs values are scalars or tensors
-broadcastable to the parameter). Nothing is done in place, so autograd can differentiate the updates
-with respect to the initial parameters, the gradients and the learning rates.
+Each optimizer has `init(params) -> state` and `step(params, grads, state, lrs) -> (params, state)`
+(the `InnerOptimizer` protocol), where params, grads and lrs are dicts keyed by parameter name. A
+parameter is its own shape (...) or, for per-row fast weights, (B, ...); its lr is a float or a tensor
+broadcastable to it: scalar, per-element (...), or per-row and data-dependent (B, 1, ...). Nothing is
+done in place, so autograd can differentiate the updates with respect to the initial parameters, the
+gradients and the learning rates. A new optimizer implements the protocol and joins
+`make_inner_optimizer`; `inner_step` (ttt/inner/step.py) drives every one of them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Protocol
 
 import torch
 
 from .config import InnerLoopConfig
 
 Tensors = dict[str, torch.Tensor]
+LearningRates = Mapping[str, "float | torch.Tensor"]
+"""Learning rate of each parameter by name: a float or a tensor broadcastable to the parameter."""
+
+
+class InnerOptimizer(Protocol):
+    """A differentiable optimizer: pure functions of dicts keyed by parameter name, nothing in place."""
+
+    def init(self, params: Mapping[str, torch.Tensor]) -> dict:
+        """The state before the first step (buffers shaped like params, per-row ones included)."""
+
+    def step(
+        self,
+        params: Mapping[str, torch.Tensor],
+        grads: Mapping[str, torch.Tensor],
+        state: dict,
+        lrs: LearningRates,
+    ) -> tuple[Tensors, dict]:
+        """(updated params, updated state); every tensor differentiable in params, grads, state and lrs."""
 
 
 class InnerSGD:

@@ -9,15 +9,12 @@ token position and passkey accuracy by context length are written to the run dir
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
-import lightning.pytorch as pl
 import numpy as np
 import torch
 
 from ttt.config.schema import OuterOptimConfig
-from ttt.meta.distributed import task_backward
-from ttt.meta.outer import outer_optimizers, outer_update
+from ttt.meta.learner import OuterLearner
 from ttt.text.long_context import (
     MODES,
     LongContextEvalConfig,
@@ -29,9 +26,11 @@ from ttt.text.tokenizer import Tokenizer
 from ttt.ttt_layers import TTTTransformer
 
 
-class TTTLanguageLearner(pl.LightningModule):
+class TTTLanguageLearner(OuterLearner):
     """Batches are {"tokens": (B, N) int64}; each sequence adapts its own fast weights, and
-    ttt.sequences_per_pass of them are read side by side."""
+    ttt.sequences_per_pass of them are read side by side (a pass of the outer step)."""
+
+    progress_metric = "loss"
 
     def __init__(
         self,
@@ -43,9 +42,8 @@ class TTTLanguageLearner(pl.LightningModule):
         tokenizer: Tokenizer,
         seed: int,
     ):
-        super().__init__()
-        self.automatic_optimization = False
-        self.model, self.optim_cfg, self.total_steps = model, optim, total_steps
+        super().__init__(optim, total_steps)
+        self.model = model
         self.eval_cfg, self.tokenizer, self.seed = evaluation, tokenizer, seed
         self._position_sums: dict[str, torch.Tensor] = {}
         self._position_count = 0
@@ -54,7 +52,7 @@ class TTTLanguageLearner(pl.LightningModule):
         """The fast weights' meta-learned initial values (live parameters of the model)."""
         return self.model.initial_fast_weights()
 
-    def split_tasks(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    def split_passes(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
         """A batch {"tokens": (B, N)} -> the passes {"tokens": (P, N)}, P = ttt.sequences_per_pass rows
         each (the last may have fewer)."""
         tokens = batch["tokens"]
@@ -73,7 +71,7 @@ class TTTLanguageLearner(pl.LightningModule):
         ttt.enabled."""
         logits, losses = [], []
         with torch.enable_grad():
-            for rows in self.split_tasks({"tokens": tokens}):
+            for rows in self.split_passes({"tokens": tokens}):
                 pass_logits, pass_losses = self.model.read(
                     rows["tokens"],
                     adapt=adapt and self.model.ttt_cfg.enabled,
@@ -85,24 +83,18 @@ class TTTLanguageLearner(pl.LightningModule):
                 losses.append(pass_losses)
         return (torch.cat(logits) if keep_logits else None), torch.cat(losses)
 
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
-        optimizer, scheduler = self.optimizers(), self.lr_schedulers()
-        passes, n_sequences = self.split_tasks(batch), len(batch["tokens"])
-        optimizer.zero_grad()
-        total, pass_losses = torch.zeros((), device=self.device), []
-        backward = task_backward(self, optimizer, len(passes))  # DDP: one all-reduce per outer step
-        for rows in passes:  # one pass's graph alive at a time
-            losses = self.model.token_losses(rows["tokens"], lr_scale=self.inner_lr_scale())
-            loss = losses.mean(1).sum() / n_sequences  # this pass's share of the batch mean
-            backward(loss)
-            total += loss.detach()
-            pass_losses.append(loss.detach())
-        lr = outer_update(self, optimizer, scheduler, self.optim_cfg)
-        metrics = {"train/loss": total, "train/lr": lr, "train/inner_lr_scale": self.inner_lr_scale()}
-        self.log_dict(metrics, batch_size=n_sequences, sync_dist=True)
-        self.log("loss", total, prog_bar=True, logger=False, batch_size=n_sequences)
-        # Per-pass losses: the divergence guard (ttt.tracking) names the pass that went non-finite.
-        return {"loss": total, "pass_losses": torch.stack(pass_losses)}
+    def pass_loss(
+        self, rows: dict[str, torch.Tensor], batch_size: int
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The mean next-token loss of each sequence of the pass, read with test-time training, summed and
+        divided by batch_size (the pass's share of the batch mean); logged as train/loss."""
+        losses = self.model.token_losses(rows["tokens"], lr_scale=self.inner_lr_scale())
+        loss = losses.mean(1).sum() / batch_size
+        return loss, {"loss": loss.detach()}
+
+    def step_metrics(self) -> dict[str, float]:
+        """The inner learning rates' warm-up factor (train/inner_lr_scale)."""
+        return {"inner_lr_scale": self.inner_lr_scale()}
 
     def position_losses(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Per-position losses (B, N - 1) of a held-out batch, with ("adapted") and without TTT."""
@@ -113,12 +105,6 @@ class TTTLanguageLearner(pl.LightningModule):
         """Mean loss of a held-out batch: query_loss_adapted / _unadapted (every position is a query)."""
         return {f"query_loss_{mode}": losses.mean() for mode, losses in self.position_losses(batch).items()}
 
-    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        metrics = self.evaluate(batch)
-        self.log_dict(
-            {f"val/{k}": v for k, v in metrics.items()}, batch_size=len(batch["tokens"]), sync_dist=True
-        )
-
     def on_test_epoch_start(self) -> None:
         self._position_sums, self._position_count = {}, 0
 
@@ -127,11 +113,8 @@ class TTTLanguageLearner(pl.LightningModule):
         for mode, value in losses.items():
             self._position_sums[mode] = self._position_sums.get(mode, 0) + value.sum(0)
         self._position_count += len(batch["tokens"])
-        self.log_dict(
-            {f"test/query_loss_{mode}": value.mean() for mode, value in losses.items()},
-            batch_size=len(batch["tokens"]),
-            sync_dist=True,
-        )
+        metrics = {f"query_loss_{mode}": value.mean() for mode, value in losses.items()}
+        self.log_evaluation("test", metrics, self.batch_size(batch))
 
     def on_test_epoch_end(self) -> None:
         cfg = self.eval_cfg
@@ -151,7 +134,3 @@ class TTTLanguageLearner(pl.LightningModule):
                 self.log(f"test/passkey_exact_{row['length']}_{mode}", row[f"exact_{mode}"])
         if self.trainer.is_global_zero:
             write_long_context_report(Path(self.trainer.default_root_dir), position_rows, passkey_rows)
-
-    def configure_optimizers(self) -> dict[str, Any]:
-        trainable = [p for p in self.parameters() if p.requires_grad]
-        return outer_optimizers(trainable, self.optim_cfg, self.total_steps)

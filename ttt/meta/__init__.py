@@ -1,6 +1,15 @@
-"""The Lightning side: `MetaLearner` (subclass it to define inner and outer losses) and `TaskDataModule`."""
+"""The Lightning side: `OuterLearner` (the outer step of every learner), `MetaLearner` (subclass it to
+define inner and outer losses) and `TaskDataModule` (tasks or text from seeded streams)."""
 
 from .data import StepAlignedSampler, SyntheticTasks, TaskDataModule, held_out_tasks
+from .learner import OuterLearner
 from .module import MetaLearner
 
-__all__ = ["MetaLearner", "StepAlignedSampler", "SyntheticTasks", "TaskDataModule", "held_out_tasks"]
+__all__ = [
+    "MetaLearner",
+    "OuterLearner",
+    "StepAlignedSampler",
+    "SyntheticTasks",
+    "TaskDataModule",
+    "held_out_tasks",
+]

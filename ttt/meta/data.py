@@ -9,11 +9,13 @@ Outer step s reads training tasks [s * G, (s + 1) * G), G = meta_batch_size * wo
 resumed from a checkpoint reads exactly the tasks the uninterrupted run would have read, and P processes
 with meta_batch_size b read the tasks of one process with P * b (process r takes the r-th block of b).
 The held-out sets are Hugging Face `datasets.Dataset`s; each process evaluates its own contiguous share.
+Text is a task stream too: a sampler per split draws token windows from that split's documents
+(`ttt.text.corpus.TokenWindows.sample`), and `TaskDataModule` serves synthetic tasks and text alike.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 import datasets
 import lightning.pytorch as pl
@@ -23,6 +25,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 TaskSampler = Callable[[np.random.Generator], dict[str, np.ndarray]]
 TRAIN_STREAM, VAL_STREAM, TEST_STREAM = 0, 1, 2
+SPLITS = ("train", "val", "test")
 
 
 def task_rng(seed: int, stream: int, index: int) -> np.random.Generator:
@@ -95,14 +98,17 @@ def held_out_tasks(sample: TaskSampler, *, seed: int, stream: int, count: int) -
 
 
 class TaskDataModule(pl.LightningDataModule):
-    """Meta-batches of tasks: training from the endless stream, validation and test from held-out sets.
+    """Batches of tasks (or token windows): training from the endless stream, validation and test from
+    held-out sets.
 
-    Every batch is a dict of tensors with a leading task dimension (meta_batch_size or eval_batch_size).
+    sample: one sampler for all three streams (synthetic tasks), or one per split, {"train": ..., "val":
+    ..., "test": ...} (text: windows of each split's own documents). Every batch is a dict of tensors with
+    a leading task dim (meta_batch_size, or eval_batch_size for the held-out sets).
     """
 
     def __init__(
         self,
-        sample: TaskSampler,
+        sample: TaskSampler | Mapping[str, TaskSampler],
         *,
         seed: int,
         meta_batch_size: int,
@@ -113,13 +119,20 @@ class TaskDataModule(pl.LightningDataModule):
         num_workers: int = 0,
     ):
         super().__init__()
-        self.sample, self.seed = sample, seed
+        samples = dict(sample) if isinstance(sample, Mapping) else dict.fromkeys(SPLITS, sample)
+        if sorted(samples) != sorted(SPLITS):
+            raise ValueError(
+                f"sample must be one sampler or one per split {SPLITS}, got splits {list(samples)}"
+            )
+        self.samples, self.seed = samples, seed
         self.meta_batch_size, self.steps_per_epoch = meta_batch_size, steps_per_epoch
         self.val_tasks, self.test_tasks, self.eval_batch_size = val_tasks, test_tasks, eval_batch_size
         self.num_workers = num_workers
 
     @classmethod
-    def from_trainer(cls, sample: TaskSampler, *, seed: int, trainer) -> TaskDataModule:
+    def from_trainer(
+        cls, sample: TaskSampler | Mapping[str, TaskSampler], *, seed: int, trainer
+    ) -> TaskDataModule:
         """The data module whose batch sizes and held-out set sizes are those of a `TrainerConfig`."""
         return cls(
             sample,
@@ -134,7 +147,7 @@ class TaskDataModule(pl.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(
-            SyntheticTasks(self.sample, seed=self.seed, stream=TRAIN_STREAM),
+            SyntheticTasks(self.samples["train"], seed=self.seed, stream=TRAIN_STREAM),
             batch_size=self.meta_batch_size,
             sampler=StepAlignedSampler(
                 self.steps_per_epoch, self.meta_batch_size, self._done_steps, **process_rank(self)
@@ -146,13 +159,13 @@ class TaskDataModule(pl.LightningDataModule):
     def _done_steps(self) -> int:
         return 0 if self.trainer is None else self.trainer.global_step
 
-    def _held_out_loader(self, stream: int, count: int) -> DataLoader:
-        tasks = held_out_tasks(self.sample, seed=self.seed, stream=stream, count=count)
+    def _held_out_loader(self, split: str, stream: int, count: int) -> DataLoader:
+        tasks = held_out_tasks(self.samples[split], seed=self.seed, stream=stream, count=count)
         tasks = process_share(tasks, **process_rank(self))
         return DataLoader(tasks, batch_size=self.eval_batch_size, num_workers=self.num_workers)
 
     def val_dataloader(self) -> DataLoader:
-        return self._held_out_loader(VAL_STREAM, self.val_tasks)
+        return self._held_out_loader("val", VAL_STREAM, self.val_tasks)
 
     def test_dataloader(self) -> DataLoader:
-        return self._held_out_loader(TEST_STREAM, self.test_tasks)
+        return self._held_out_loader("test", TEST_STREAM, self.test_tasks)

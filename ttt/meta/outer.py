@@ -32,6 +32,17 @@ def outer_optimizers(
         optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=betas, weight_decay=cfg.weight_decay)
     elif cfg.name == "adam":
         optimizer = torch.optim.Adam(params, lr=cfg.lr, betas=betas, weight_decay=cfg.weight_decay)
+    elif cfg.name in ("sophia_h", "adahessian"):
+        from ttt.second_order import hessian_optimizer  # imports pytorch-optimizer only when used
+
+        optimizer = hessian_optimizer(
+            cfg.name,
+            params,
+            lr=cfg.lr,
+            betas=betas,
+            weight_decay=cfg.weight_decay,
+            hessian_update_interval=cfg.hessian_update_interval,
+        )
     else:
         optimizer = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.beta1, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -40,11 +51,14 @@ def outer_optimizers(
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-def outer_update(module: pl.LightningModule, optimizer, scheduler, cfg: OuterOptimConfig) -> float:
+def outer_update(
+    module: pl.LightningModule, optimizer, scheduler, cfg: OuterOptimConfig, **step_kwargs
+) -> float:
     """Clip the accumulated outer gradients (optim.grad_clip, global norm), step the optimizer and the
-    schedule. Returns the learning rate now in effect, as a float (NCCL cannot reduce a CPU tensor)."""
+    schedule. Returns the learning rate now in effect, as a float (NCCL cannot reduce a CPU tensor).
+    step_kwargs go to optimizer.step (sophia_h, adahessian: `ttt.second_order.HessianFeed.step_kwargs`)."""
     if cfg.grad_clip is not None:
         module.clip_gradients(optimizer, gradient_clip_val=cfg.grad_clip, gradient_clip_algorithm="norm")
-    optimizer.step()
+    optimizer.step(**step_kwargs)
     scheduler.step()
     return scheduler.get_last_lr()[0]

@@ -38,33 +38,28 @@ def _likely_causes(bad: set[str]) -> str:
     return causes
 
 
-def _which_tasks(outputs: Mapping) -> list[str]:
-    """Lines naming the tasks (or passes) whose losses are non-finite, from the per-task losses a
-    learner returns next to "loss": task_outer_losses (T,), task_inner_losses (T, steps), pass_losses (P,)."""
+def _which_passes(outputs: Mapping) -> list[str]:
+    """Lines naming the passes whose metrics are non-finite, from the "pass_metrics" a learner returns
+    next to "loss" (name -> (passes,)); a pass is one task of a MetaLearner, ttt.sequences_per_pass
+    sequences of the TTT learner."""
     lines = []
-    for key, unit, units, what in (
-        ("task_inner_losses", "task", "tasks", "inner loss"),
-        ("task_outer_losses", "task", "tasks", "outer loss"),
-        ("pass_losses", "pass", "passes", "loss"),
-    ):
-        losses = outputs.get(key)
-        if not isinstance(losses, torch.Tensor) or losses.numel() == 0:
+    for name, values in sorted(dict(outputs.get("pass_metrics") or {}).items()):
+        if not isinstance(values, torch.Tensor) or values.numel() == 0:
             continue
-        bad = ~torch.isfinite(losses.detach().float().cpu())
+        bad = ~torch.isfinite(values.detach().float().cpu().reshape(len(values), -1)).all(1)
         if not bad.any():
             continue
-        rows = sorted({int(i) for i in bad.nonzero()[:, 0]})
-        if len(rows) == len(losses):
-            which = f"all {len(rows)} {units}"
+        rows = [int(i) for i in bad.nonzero()[:, 0]]
+        if len(rows) == len(values):
+            which = f"all {len(rows)} passes"
         else:
             shown = ", ".join(map(str, rows[:10])) + (", ..." if len(rows) > 10 else "")
-            which = f"{len(rows)} of {len(losses)} {units} (meta-batch index {shown})"
-        line = f"  {what} non-finite in {which}"
-        if losses.dim() == 2:
-            step = int(bad[rows[0]].nonzero()[0, 0])
-            line += f"; {unit} {rows[0]} first at inner step {step} of {losses.shape[1]}"
-            line += " (step 0: before any update)" if step == 0 else " (after inner updates)"
-        lines.append(line)
+            which = f"{len(rows)} of {len(values)} passes (index {shown})"
+        lines.append(f"  {name} non-finite in {which}")
+    if lines:
+        lines.append(
+            "  (a pass: one task of a MetaLearner; ttt.sequences_per_pass sequences of the TTT learner)"
+        )
     return lines
 
 
@@ -105,7 +100,7 @@ class DivergenceGuard(pl.Callback):
             value = float(metrics[name]) if metrics[name].numel() == 1 else "non-finite entries"
             lines.append(f"  {name} = {value}  ({WATCHED_LOSSES.get(name, 'returned by training_step')})")
         if isinstance(outputs, Mapping):
-            lines += _which_tasks(outputs)
+            lines += _which_passes(outputs)
         finite = sorted(set(metrics) - bad)
         if finite:
             lines.append("  finite: " + ", ".join(f"{n} = {float(metrics[n]):.4g}" for n in finite))

@@ -21,16 +21,20 @@ learnable inner learning rates inner.lrs.{j} (inner.learnable_lr).
 
 from __future__ import annotations
 
-import fnmatch
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
-from torch.utils.checkpoint import checkpoint
 
-from ttt.inner import InnerLoop, InnerLoopConfig
-from ttt.inner.loop import clip_by_global_norm
+from ttt.inner import (
+    InnerLoop,
+    InnerLoopConfig,
+    detach_state,
+    expand_rows,
+    fresh_leaves,
+    maybe_checkpoint,
+    select_by_glob,
+)
 from ttt.models.transformer import Transformer, rope_cos_sin
 
 from .block import SuffixBlock
@@ -78,18 +82,11 @@ class TTTTransformer(nn.Module):
             for i in range(self.first_suffix, self.cfg.n_layers)
             for name, param in self.layers[i].named_parameters()
         }
-        for pattern in patterns:
-            if not fnmatch.filter(candidates, pattern):
-                raise ValueError(
-                    f"inner.params pattern {pattern!r} matches no parameter of the suffix blocks "
-                    f"(layers {self.first_suffix}..{self.cfg.n_layers - 1}, "
-                    f"ttt.suffix_len={self.ttt_cfg.suffix_len}); they are: {list(candidates)}"
-                )
-        return {
-            name: p
-            for name, p in candidates.items()
-            if any(fnmatch.fnmatchcase(name, pat) for pat in patterns)
-        }
+        what = (
+            f"parameter of the suffix blocks (layers {self.first_suffix}..{self.cfg.n_layers - 1}, "
+            f"ttt.suffix_len={self.ttt_cfg.suffix_len})"
+        )
+        return select_by_glob(candidates, patterns, what=what)
 
     @property
     def suffix(self) -> list[SuffixBlock]:
@@ -131,18 +128,15 @@ class TTTTransformer(nn.Module):
             steps = 0
         for step in range(steps):
             losses = scored if step == 0 else self._suffix_chunk(fast, hidden, targets, cos, sin, caches)[1]
-            loss = losses.mean(1).sum()  # rows are independent: each row's grad is that of its own mean
-            grads = torch.autograd.grad(
-                loss,
-                list(fast.values()),
+            fast, state = self.inner.step(
+                losses.mean(1).sum(),  # rows are independent: each row's grad is that of its own mean
+                fast,
+                state,
                 create_graph=create_graph,
+                lrs=lrs,
+                per_row=True,
                 retain_graph=create_graph or step == 0,  # step 0's loss is also part of the outer loss
-                materialize_grads=True,
             )
-            grads = dict(zip(fast, grads))
-            if self.inner_cfg.grad_clip is not None:
-                grads = clip_by_global_norm(grads, self.inner_cfg.grad_clip, per_row=True)
-            fast, state = self.inner.optimizer.step(fast, grads, state, lrs)
         return (logits if keep_logits else None), scored, new_caches, fast, state
 
     def read(
@@ -174,15 +168,11 @@ class TTTTransformer(nn.Module):
             hidden = self.embed(tokens)
             for block in self.layers[: self.first_suffix]:
                 hidden = block(hidden, cos, sin)
-        fast = {name: p.expand(batch, *p.shape) for name, p in self.initial_fast_weights().items()}
-        lrs = {
-            name: lr.to(fast[name].dtype) * lr_scale if torch.is_tensor(lr) else lr * lr_scale
-            for name, lr in self.inner.learning_rates().items()
-        }
+        fast = expand_rows(self.initial_fast_weights(), batch)
+        lrs = self.inner.step_lrs(fast, lr_scale)  # once per read: every chunk's steps share them
         if not outer_grad:
-            fast = {name: p.detach().requires_grad_() for name, p in fast.items()}  # a leaf, still expanded
-            lrs = {name: lr.detach() if torch.is_tensor(lr) else lr for name, lr in lrs.items()}
-        state = self.inner.optimizer.init(fast)
+            fast, lrs = fresh_leaves(fast), detach_state(lrs)  # fast: a leaf, still expanded
+        state = self.inner.init_state(fast)
         caches, all_logits, all_losses = [None] * len(self.suffix), [], []
         use_checkpoint = self.inner_cfg.checkpoint and outer_grad and steps > 0
         for start in range(0, n, self.ttt_cfg.chunk_len):
@@ -200,15 +190,13 @@ class TTTTransformer(nn.Module):
                 create_graph,
                 keep_logits,
             )
-            if use_checkpoint:
-                logits, losses, caches, fast, state = checkpoint(self._read_chunk, *args, use_reentrant=False)
-            else:
-                logits, losses, caches, fast, state = self._read_chunk(*args)
+            logits, losses, caches, fast, state = maybe_checkpoint(
+                self._read_chunk, *args, enabled=use_checkpoint
+            )
             if not outer_grad:
                 logits, losses = (None if logits is None else logits.detach()), losses.detach()
                 caches = [(k.detach(), v.detach()) for k, v in caches]
-                fast = {name: p.detach().requires_grad_() for name, p in fast.items()}
-                state = _detached(state)
+                fast, state = fresh_leaves(fast), detach_state(state)
             all_logits.append(logits)
             all_losses.append(losses)
         return (torch.cat(all_logits, dim=1) if keep_logits else None), torch.cat(all_losses, dim=1)
@@ -231,10 +219,3 @@ def _check_tokens(tokens: torch.Tensor) -> None:
         raise ValueError(
             f"tokens must be a (batch, seq) int64 tensor, got {tuple(tokens.shape)} {tokens.dtype}"
         )
-
-
-def _detached(state):
-    """An optimizer state (nested dicts of tensors and ints) with every tensor detached."""
-    if isinstance(state, dict):
-        return {key: _detached(value) for key, value in state.items()}
-    return state.detach() if torch.is_tensor(state) else state

@@ -1,0 +1,199 @@
+"""attn_implementation="bob" on tiny transformers models: logits and second-order meta-gradients
+equal transformers' own "eager" attention; every mask the op cannot express is refused by name."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from tiny_models import ARCHS, SLIDING_ARCHS, VOCAB, tiny_model
+from torch.func import functional_call
+
+from kernels import triton_ops
+from kernels.transformers_attention import UnsupportedAttentionError, register_transformers
+
+N = 23
+
+
+def tokens(batch=2, n=N, seed=1):
+    return torch.randint(0, VOCAB, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def test_import_kernels_does_not_import_transformers():
+    code = "import sys, kernels; assert 'transformers' not in sys.modules, 'transformers was imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_logits_equal_eager_float32(arch):
+    ids = tokens()
+    want = tiny_model(arch, "eager")(ids).logits
+    got = tiny_model(arch, "bob")(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", SLIDING_ARCHS)
+def test_sliding_window_is_applied(arch):
+    """The window changes eager's logits at N=23 > 5, and bob follows it (not plain causal)."""
+    ids = tokens()
+    wide = tiny_model(arch, "eager", sliding_window=64)(ids).logits
+    want = tiny_model(arch, "eager")(ids).logits
+    assert (wide - want).abs().max() > 1e-3
+    torch.testing.assert_close(tiny_model(arch, "bob")(ids).logits, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3", "gpt2"])
+def test_triton_interpreter_logits_float32(arch):
+    """The Triton kernels (interpreter on the CPU): sliding + full GQA layers, Gemma's scaling, GPT-2."""
+    ids = tokens(batch=1, n=19)
+    want = tiny_model(arch, "eager")(ids).logits
+    got = tiny_model(arch, "bob_triton")(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def meta_gradients(model, ids, inner_glob_prefix="model.layers.1.mlp."):
+    """One second-order MAML step: an SGD step on the first half's next-token loss over the
+    parameters under inner_glob_prefix, then the second half's loss; returns d(outer)/d(every
+    parameter) with the inner step differentiated through (create_graph=True)."""
+    params = dict(model.named_parameters())
+    if not any(k.startswith(inner_glob_prefix) for k in params):  # GPT-2 names its blocks model.h.*
+        inner_glob_prefix = "transformer.h.1.mlp."
+    fast_names = [k for k in params if k.startswith(inner_glob_prefix)]
+    assert fast_names
+
+    def loss(p, chunk):
+        logits = functional_call(model, p, (chunk,)).logits
+        return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), chunk[:, 1:].reshape(-1))
+
+    half = ids.shape[1] // 2
+    inner = loss(params, ids[:, :half])
+    grads = torch.autograd.grad(inner, [params[k] for k in fast_names], create_graph=True)
+    adapted = dict(params)
+    for name, g in zip(fast_names, grads):
+        adapted[name] = params[name] - 0.5 * g
+    outer = loss(adapted, ids)
+    names = list(params)
+    return dict(zip(names, torch.autograd.grad(outer, [params[k] for k in names], allow_unused=True)))
+
+
+@pytest.fixture
+def eager_softmax_in_float64(monkeypatch):
+    """Eager attention computes softmax(..., dtype=float32), which rounds float64 inputs to float32;
+    keep float64 inputs in float64 so that eager is a float64 reference."""
+    softmax = torch.nn.functional.softmax
+
+    def softmax_keeping_float64(x, dim=None, *args, dtype=None, **kwargs):
+        if x.dtype == torch.float64 and dtype == torch.float32:
+            dtype = None
+        return softmax(x, dim, *args, dtype=dtype, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "softmax", softmax_keeping_float64)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_second_order_meta_gradients_equal_eager_float64(arch, eager_softmax_in_float64):
+    ids = tokens(batch=1, n=20)
+    want = meta_gradients(tiny_model(arch, "eager", dtype=torch.float64), ids)
+    got = meta_gradients(tiny_model(arch, "bob", dtype=torch.float64), ids)
+    for name, g in want.items():
+        if g is None:
+            assert got[name] is None, name
+            continue
+        torch.testing.assert_close(got[name], g, rtol=1e-9, atol=1e-11, msg=name)
+
+
+def test_second_order_meta_gradients_triton_interpreter_float32(monkeypatch, eager_softmax_in_float64):
+    monkeypatch.setattr(triton_ops, "POISON_OUTPUTS", True)
+    ids = tokens(batch=1, n=12)
+    want = meta_gradients(tiny_model("mistral", "eager", dtype=torch.float64), ids)
+    got = meta_gradients(tiny_model("mistral", "bob_triton"), ids)
+    for name, g in want.items():
+        if g is not None:
+            torch.testing.assert_close(got[name].double(), g, rtol=1e-3, atol=1e-5, msg=name)
+
+
+def test_all_ones_attention_mask_equals_eager():
+    ids = tokens()
+    mask = torch.ones_like(ids)
+    want = tiny_model("qwen2", "eager")(ids, attention_mask=mask).logits
+    got = tiny_model("qwen2", "bob")(ids, attention_mask=mask).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_decoding_with_cache_equals_eager(arch):
+    """A cached two-token step: 2 queries over all keys (bottom-right aligned causal mask; Mistral's
+    sliding-window cache keeps only the last keys, hence a key offset)."""
+    ids = tokens(batch=1)
+    results = []
+    for attn in ("eager", "bob"):
+        model = tiny_model(arch, attn)
+        past = model(ids[:, :-2], use_cache=True).past_key_values
+        results.append(model(ids[:, -2:], past_key_values=past, use_cache=True).logits)
+    torch.testing.assert_close(results[1], results[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padding_mask_is_refused(side):
+    ids = tokens()
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0 if side == "left" else 1
+    if side == "right":
+        mask[0, -3:] = 0
+    with pytest.raises(UnsupportedAttentionError, match="padding masks"):
+        tiny_model("llama", "bob")(ids, attention_mask=mask)
+
+
+def test_packed_sequences_are_refused():
+    """position_ids that restart mark packed sequences (transformers looks only without a cache): a
+    block-diagonal mask the op cannot express."""
+    ids = tokens(batch=1, n=12)
+    position_ids = torch.cat([torch.arange(6), torch.arange(6)])[None]
+    with pytest.raises(UnsupportedAttentionError, match="packed sequences"):
+        tiny_model("llama", "bob")(ids, position_ids=position_ids, use_cache=False)
+
+
+def test_prepared_4d_mask_is_refused():
+    ids = tokens(batch=1, n=8)
+    mask = torch.zeros(1, 1, 8, 8)
+    with pytest.raises(UnsupportedAttentionError, match="prepared attention mask"):
+        tiny_model("llama", "bob")(ids, attention_mask=mask)
+
+
+def test_attention_dropout_in_training_is_refused():
+    model = tiny_model("llama", "bob", attention_dropout=0.1).train()
+    with pytest.raises(UnsupportedAttentionError, match="attention dropout"):
+        model(tokens())
+
+
+def test_gemma2_logit_softcapping_is_refused():
+    model = tiny_model("gemma2", "bob", attn_logit_softcapping=50.0)
+    with pytest.raises(UnsupportedAttentionError, match="soft-capping"):
+        model(tokens())
+
+
+def test_bidirectional_attention_is_refused():
+    model = tiny_model("gemma3", "bob", use_bidirectional_attention=True)
+    with pytest.raises(UnsupportedAttentionError, match="bidirectional"):
+        model(tokens())
+
+
+@pytest.mark.parametrize("name", ["flash_bob", "eager", "sdpa", ""])
+def test_register_refuses_reserved_names(name):
+    with pytest.raises(ValueError, match="name must be"):
+        register_transformers(name)
+
+
+def test_register_refuses_unknown_backend():
+    with pytest.raises(ValueError, match="backend must be one of"):
+        register_transformers("bob_x", backend="cuda")
+
+
+def test_static_cache_slots_are_refused():
+    """A StaticCache hands over all max_cache_len key slots, the unfilled ones masked: not expressible."""
+    from transformers import StaticCache
+
+    model = tiny_model("llama", "bob")
+    cache = StaticCache(config=model.config, max_cache_len=32)
+    with pytest.raises(UnsupportedAttentionError, match="kv_length=32"):
+        model(tokens(batch=1, n=10), past_key_values=cache, use_cache=True)

@@ -1,0 +1,102 @@
+"""`OuterLearner`: the outer (meta) step that every learner shares, as a LightningModule.
+
+One training step, with manual optimization:
+
+    passes = self.split_passes(batch)             # parts of the batch, one graph alive at a time
+    for each pass:
+        loss, metrics = self.pass_loss(pass, batch_size)   # this pass's share of the batch's mean loss
+        backward(loss)                            # task_backward: under DDP one all-reduce per step
+    outer_update(...)                             # outer clipping, optimizer step, schedule step
+    log train/<metric> (the passes' shares summed), train/lr and step_metrics()
+
+A learner defines `split_passes`, `pass_loss` and `evaluate` (held-out metrics by name, logged as
+val/<name> and test/<name>). `MetaLearner` (a pass is one task, adapted by the inner loop) and
+`TTTLanguageLearner` (a pass is ttt.sequences_per_pass sequences read side by side) extend it; a learner
+without an inner loop (a plain language model under a second-order outer optimizer) needs only the
+three hooks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from ttt.config.schema import OuterOptimConfig
+
+from .distributed import task_backward
+from .outer import outer_optimizers, outer_update
+
+
+class OuterLearner(pl.LightningModule):
+    """Manual outer optimization over the passes of a batch, its logging, and `configure_optimizers`.
+
+    Batches are dicts of tensors with a leading batch dim (tasks or sequences)."""
+
+    progress_metric = "outer_loss"
+    """The pass metric shown in the progress bar (not logged to files under this bare name)."""
+
+    def __init__(self, optim: OuterOptimConfig, total_steps: int):
+        super().__init__()
+        self.automatic_optimization = False
+        self.optim_cfg, self.total_steps = optim, total_steps
+
+    def split_passes(self, batch: dict[str, torch.Tensor]) -> list[Any]:
+        """The passes of a batch, each backpropagated before the next is computed. Override this."""
+        raise NotImplementedError(f"{type(self).__name__} defines split_passes(batch)")
+
+    def pass_loss(self, batch_pass: Any, batch_size: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(scalar loss, detached metrics) of one pass, each its share of the batch's mean: the sum over
+        the pass's items divided by batch_size, so that the passes' shares add up to the batch mean.
+        The loss is backpropagated; the metrics are summed over the passes and logged as train/<name>.
+        Override this."""
+        raise NotImplementedError(f"{type(self).__name__} defines pass_loss(batch_pass, batch_size)")
+
+    def evaluate(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Held-out metrics of a batch by name (logged as val/<name> and test/<name>). Override this."""
+        raise NotImplementedError(f"{type(self).__name__} defines evaluate(batch)")
+
+    def step_metrics(self) -> dict[str, float]:
+        """Extra training metrics of the current outer step (logged as train/<name>); none by default."""
+        return {}
+
+    def batch_size(self, batch: dict[str, torch.Tensor]) -> int:
+        """Items (tasks or sequences) in a batch: the leading size of its tensors."""
+        return len(next(iter(batch.values())))
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, Any]:
+        optimizer, scheduler = self.optimizers(), self.lr_schedulers()
+        passes, batch_size = self.split_passes(batch), self.batch_size(batch)
+        optimizer.zero_grad()
+        backward = task_backward(self, optimizer, len(passes))  # DDP: one all-reduce per outer step
+        totals: dict[str, torch.Tensor] = {}
+        per_pass: dict[str, list[torch.Tensor]] = {}
+        for batch_pass in passes:  # one pass's graph alive at a time
+            loss, metrics = self.pass_loss(batch_pass, batch_size)
+            backward(loss)
+            for name, value in metrics.items():
+                totals[name] = totals[name] + value if name in totals else value
+                per_pass.setdefault(name, []).append(torch.as_tensor(value).detach())
+        lr = outer_update(self, optimizer, scheduler, self.optim_cfg)
+        logged = {f"train/{name}": value for name, value in totals.items()}
+        logged.update({"train/lr": lr, **{f"train/{k}": v for k, v in self.step_metrics().items()}})
+        self.log_dict(logged, batch_size=batch_size, sync_dist=True)
+        progress = totals[self.progress_metric]
+        self.log(self.progress_metric, progress, prog_bar=True, logger=False, batch_size=batch_size)
+        # Each pass's metrics (P,): the divergence guard (ttt.tracking) names the pass that went non-finite.
+        return {"loss": progress, "pass_metrics": {name: torch.stack(v) for name, v in per_pass.items()}}
+
+    def log_evaluation(self, stage: str, metrics: dict[str, torch.Tensor], batch_size: int) -> None:
+        """Log held-out metrics as <stage>/<name>, averaged over batches and processes."""
+        self.log_dict({f"{stage}/{k}": v for k, v in metrics.items()}, batch_size=batch_size, sync_dist=True)
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self.log_evaluation("val", self.evaluate(batch), self.batch_size(batch))
+
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self.log_evaluation("test", self.evaluate(batch), self.batch_size(batch))
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        trainable = [p for p in self.parameters() if p.requires_grad]
+        return outer_optimizers(trainable, self.optim_cfg, self.total_steps)
