@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ttt.experiments.environment import describe
+from kernels.environment import describe
 from ttt.models import ATTENTION_BACKENDS, Transformer, TransformerConfig
 from ttt.second_order.measure import sweep_contexts
 
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     )
     torch.manual_seed(0)
     model = Transformer(cfg).to(device=device, dtype=DTYPES[args.dtype])
-    env = describe(device)
+    env = describe(device, "benchmarks/hvp_context.py")
     env["command"] = " ".join(["python benchmarks/hvp_context.py", *(sys.argv[1:] if argv is None else argv)])
     meta = {
         "env": env,

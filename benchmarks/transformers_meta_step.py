@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import dataclass
 
 import torch
 
-from ttt.experiments.environment import describe
+from kernels.environment import describe
 from ttt.experiments.meta_step_probe import measure
-from ttt.experiments.next_token import NextTokenObjective, random_task
-from ttt.experiments.workloads import Point
+from ttt.experiments.workloads import NextTokenObjective, Point, random_task
 from ttt.inner import InnerLoop, InnerLoopConfig, meta_step, select_parameters
 from ttt.models.hf_causal_lm import build_causal_lm
 
@@ -106,10 +104,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             if failed_at is not None:
                 row = {"status": "skipped", "error": f"oom at N={failed_at}"}
             else:
-                row = measure(
-                    setup, point, time_limit_s=args.time_limit, warmup=i == 0, warmup_limit_s=120,
-                    builder=build_hf_step,
-                )  # fmt: skip
+                row = measure(setup, point, warmup=i == 0, builder=build_hf_step)
                 if row["status"] == "oom":
                     failed_at = n
             row = {"attn_implementation": attn, "n": n, "k": args.k, **row}
@@ -117,7 +112,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             print(json.dumps(row), flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            environment = {**describe(device), "command": " ".join(["python", *sys.argv])}
+            environment = describe(device, "benchmarks/transformers_meta_step.py")
             json.dump({"environment": environment, "rows": rows}, f, indent=1)
     return rows
 

@@ -24,7 +24,6 @@ import argparse
 import csv
 import json
 import os
-import subprocess
 import time
 
 import numpy as np
@@ -32,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+from kernels.environment import describe
 from kernels.reference import attention_naive
 
 PRODUCTS = {"ours_forward": 2, "ours_backward": 7, "ours_bob": 18, "flash_forward": 2,
@@ -211,13 +211,6 @@ def run_case(args, n, d, mask, dtype_name, skip: set) -> list[dict]:
     return rows
 
 
-def commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("BENCH_COMMIT", "unknown")
-
-
 def write_outputs(rows: list[dict], out_dir: str, meta: dict) -> None:
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "results.json"), "w") as f:
@@ -327,11 +320,8 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("kernels.bench needs a CUDA GPU")
-    import triton
-
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "commit": commit(), "batch": args.batch, "heads": args.heads,
-            "command": "python -m kernels.bench " + " ".join(os.sys.argv[1:])}
+    env = describe(torch.device("cuda"), "kernels.bench")
+    meta = {**env, "gpu": env["device"], "batch": args.batch, "heads": args.heads}
     rows, skip = [], set()
     for dtype in args.dtype.split(","):
         for mask in args.mask.split(","):

@@ -28,7 +28,7 @@ from ttt.ttt_layers import TTTConfig, TTTTransformer
 from .ttt_e2e import build_data, build_learner
 
 COMPARED_FIELDS = (
-    "vocab_size", "d_model", "n_layers", "n_heads", "kv_heads", "head_size", "ff_size",
+    "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
     "rope_theta", "norm_eps", "tie_embeddings", "qkv_bias",
 )  # fmt: skip
 """Architecture fields a checkpoint must share with the preset (attention and window are ours to choose)."""
@@ -86,15 +86,11 @@ def load_base_model(cfg: PretrainedConfig) -> Transformer:
             )
         return Transformer(arch)
     model = from_pretrained(cfg.checkpoint, attention=arch.attention, window=arch.window)
-    if not isinstance(model, Transformer):
-        raise ValueError(
-            f"model.checkpoint={cfg.checkpoint!r} is a {type(model).__name__}: test-time training needs a "
-            "RoPE transformer (Llama, Qwen2, SmolLM2)"
-        )
+    preset = arch.resolved()
     mismatched = [
-        f"{name}: checkpoint {getattr(model.cfg, name)!r}, preset {getattr(arch, name)!r}"
+        f"{name}: checkpoint {getattr(model.cfg, name)!r}, preset {getattr(preset, name)!r}"
         for name in COMPARED_FIELDS
-        if getattr(model.cfg, name) != getattr(arch, name)
+        if getattr(model.cfg, name) != getattr(preset, name)
     ]
     if mismatched:
         raise ValueError(

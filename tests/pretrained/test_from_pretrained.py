@@ -13,7 +13,7 @@ import torch
 from hf_checkpoints import LLAMA_JSON, hf_llama_tensors, write_checkpoint
 from safetensors.torch import save_file
 
-from ttt.models import GPT2, Transformer, from_pretrained
+from ttt.models import Transformer, from_pretrained
 
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 TOKENS = torch.tensor([[1, 5, 9, 3, 60, 7, 2, 11, 40, 13, 0, 63], [4, 4, 8, 15, 16, 23, 42, 1, 2, 3, 5, 8]])
@@ -60,7 +60,7 @@ def test_bad_checkpoints_fail_with_clear_messages(llama_reference, tmp_path):
         from_pretrained(tmp_path / "empty")
     bert = write_checkpoint(tmp_path / "bert", {"architectures": ["BertModel"]}, {"x": torch.zeros(1)})
     with pytest.raises(
-        ValueError, match="unsupported architectures.*BertModel.*GPT2LMHeadModel.*LlamaForCausalLM"
+        ValueError, match="unsupported architectures.*BertModel.*LlamaForCausalLM.*Qwen2ForCausalLM"
     ):
         from_pretrained(bert)
 
@@ -88,51 +88,6 @@ def test_bad_checkpoints_fail_with_clear_messages(llama_reference, tmp_path):
         from_pretrained(tmp_path / "noweights")
 
 
-def test_hand_built_gpt2_checkpoint_loads_transposed_and_split(tmp_path):
-    torch.manual_seed(0)
-    d, layers, vocab, positions = 16, 2, 50, 32
-    config = {
-        "architectures": ["GPT2LMHeadModel"],
-        "vocab_size": vocab,
-        "n_embd": d,
-        "n_layer": layers,
-        "n_head": 2,
-        "n_positions": positions,
-        "activation_function": "gelu_new",
-    }
-    tensors = {
-        "wte.weight": torch.randn(vocab, d),
-        "wpe.weight": torch.randn(positions, d),
-        "ln_f.weight": torch.rand(d),
-        "ln_f.bias": torch.randn(d),
-    }
-    for i in range(layers):
-        for name, shape in (
-            ("ln_1.weight", (d,)),
-            ("ln_1.bias", (d,)),
-            ("ln_2.weight", (d,)),
-            ("ln_2.bias", (d,)),
-            ("attn.c_attn.weight", (d, 3 * d)),
-            ("attn.c_attn.bias", (3 * d,)),
-            ("attn.c_proj.weight", (d, d)),
-            ("attn.c_proj.bias", (d,)),
-            ("mlp.c_fc.weight", (d, 4 * d)),
-            ("mlp.c_fc.bias", (4 * d,)),
-            ("mlp.c_proj.weight", (4 * d, d)),
-            ("mlp.c_proj.bias", (d,)),
-        ):
-            tensors[f"h.{i}.{name}"] = torch.randn(shape) * 0.3
-    model = from_pretrained(write_checkpoint(tmp_path / "gpt2", config, tensors), attention="eager")
-    assert isinstance(model, GPT2)
-    torch.testing.assert_close(
-        model.layers[1].attn.wk.weight, tensors["h.1.attn.c_attn.weight"][:, d : 2 * d].t()
-    )
-    torch.testing.assert_close(model.layers[0].mlp.w_in.weight, tensors["h.0.mlp.c_fc.weight"].t())
-    assert model(TOKENS % vocab).shape == (2, 12, vocab)
-    with pytest.raises(ValueError, match="max_positions=32"):
-        model(torch.zeros(1, 33, dtype=torch.long))
-
-
 def _save_hf_model(hf_model, path):
     hf_model.save_pretrained(path, safe_serialization=True)
     return path
@@ -156,14 +111,11 @@ def _hf_models():
         "qwen2": lambda: tf.Qwen2ForCausalLM(
             tf.Qwen2Config(**common, rope_theta=1e6, tie_word_embeddings=True)
         ),
-        "gpt2": lambda: tf.GPT2LMHeadModel(
-            tf.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64)
-        ),
     }
 
 
 @pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed")
-@pytest.mark.parametrize("family", ["llama", "smollm2-tied", "qwen2", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "smollm2-tied", "qwen2"])
 def test_logits_match_transformers(family, tmp_path):
     torch.manual_seed(0)
     hf_model = _hf_models()[family]().float().eval()

@@ -1,12 +1,19 @@
 """Every recipe YAML loads against its schema; bad names, keys and values fail with helpful messages."""
 
+import json
+import re
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
+import yaml
+from omegaconf import OmegaConf
 
 from recipes import load_builder
 from ttt.config import ConfigError, available_recipes, load_config, to_yaml
-from ttt.config.loading import recipe_header
+from ttt.config.loading import read_recipe, recipe_header
+from ttt.inner import InnerLoopConfig
 from ttt.meta import MetaLearner, SyntheticTasks, TaskDataModule
 from ttt.meta.data import TRAIN_STREAM, VAL_STREAM, task_rng
 from ttt.train import main
@@ -23,8 +30,63 @@ def test_every_yaml_loads_and_documents_its_launch_command(name):
     cfg = load_config([f"recipe={name}"])
     assert cfg.recipe == name
     assert isinstance(cfg, load_builder(cfg.builder).Config)
-    assert f"python -m ttt.train recipe={name}" in recipe_header(available_recipes()[name])
+    header = recipe_header(available_recipes()[name])
+    assert f"python -m ttt.train recipe={name}" in header
+    assert re.search(r"Figure \([^)]*commit [0-9a-f]{7}", header) or "No recorded figure yet" in header
     assert f"recipe: {name}" in to_yaml(cfg)
+
+
+def _leaves(tree: dict, prefix: str = ""):
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from _leaves(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_every_resolved_value_is_what_it_was_before_the_yamls_were_shortened(name):
+    recorded = yaml.safe_load((Path(__file__).parent / "resolved_recipes.yaml").read_text())
+    assert set(recorded) == set(RECIPES)
+    now = dict(_leaves(yaml.safe_load(to_yaml(load_config([f"recipe={name}"])))))
+    changed = {
+        key: (value, now.get(key, "<missing>"))
+        for key, value in _leaves(recorded[name])
+        if now.get(key, "<missing>") != value
+    }
+    assert not changed, f"{name}: (recorded, now) per key: {changed}"
+
+
+def _write(folder: Path, name: str, text: str) -> Path:
+    path = folder / f"{name}.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_a_recipe_extends_its_base_and_bad_bases_are_errors(tmp_path):
+    recipes = {
+        "small": _write(tmp_path, "small", "builder: maml_sinusoid\ninner:\n  steps: 2\n  lr: 0.5\n"),
+        "big": _write(tmp_path, "big", "base: small\ninner:\n  steps: 7\n"),
+        "bigger": _write(tmp_path, "bigger", "base: big\ntrainer:\n  max_steps: 9\n"),
+        "loop": _write(tmp_path, "loop", "base: loop2\n"),
+        "loop2": _write(tmp_path, "loop2", "base: loop\n"),
+        "typo": _write(tmp_path, "typo", "base: smal\n"),
+    }
+    merged = read_recipe("bigger", recipes)
+    assert OmegaConf.to_container(merged) == {
+        "builder": "maml_sinusoid", "inner": {"steps": 7, "lr": 0.5}, "trainer": {"max_steps": 9}
+    }  # fmt: skip
+    with pytest.raises(ConfigError, match="makes a cycle \\(loop -> loop2 -> loop\\)"):
+        read_recipe("loop", recipes)
+    with pytest.raises(ConfigError, match="unknown base 'smal'; did you mean 'small'"):
+        read_recipe("typo", recipes)
+
+
+def test_the_16k_configs_extend_their_cpu_recipes():
+    for name, base in (("maml_longctx_16k", "maml_longctx"), ("ttt_e2e_16k", "ttt_e2e")):
+        assert OmegaConf.load(available_recipes()[name]).base == base
+        big, small = load_config([f"recipe={name}"]), load_config([f"recipe={base}"])
+        assert big.builder == small.builder and big.optim.weight_decay == small.optim.weight_decay
 
 
 @pytest.mark.parametrize("name", [name for name in RECIPES if name.startswith("maml_")])
@@ -78,6 +140,38 @@ def test_bad_values_name_the_key(override, message):
     with pytest.raises((ConfigError, ValueError), match=message):
         cfg = load_config(["recipe=maml_longctx", override])
         load_builder(cfg.builder).build(cfg)
+
+
+@pytest.mark.parametrize(
+    "key, values",
+    [
+        ("inner.optimizer", "sgd, momentum, adam"),
+        ("inner.learnable_lr", "none, tensor, element"),
+        ("optim.name", "adamw, adam, sgd, sophia_h, adahessian"),
+        ("optim.scheduler", "constant, cosine, linear"),
+        ("trainer.strategy", "auto, ddp"),
+        ("trainer.precision", "32-true, 32, bf16-mixed, 16-mixed, bf16-true, 16-true, 64-true, 64"),
+        ("trainer.accelerator", "auto, cpu, gpu, cuda, mps"),
+        ("model.attention", "flashbob, eager, sdpa_math"),
+    ],
+)
+def test_a_bad_choice_is_a_config_error_listing_the_valid_values(key, values):
+    expected = f"^{re.escape(key)} must be one of {re.escape(values)}; got 'bogus'"
+    with pytest.raises(ConfigError, match=expected):
+        load_config(["recipe=maml_longctx", f"{key}=bogus"])
+
+
+def test_choices_compare_format_and_save_as_their_strings(tmp_path):
+    cfg = load_config(["recipe=maml_longctx", "trainer.precision=64", "inner.optimizer=adam"])
+    assert cfg.inner.optimizer == "adam" and f"{cfg.trainer.precision}" == "64"
+    assert {"adam": 1}[cfg.inner.optimizer] == 1 and json.dumps(cfg.optim.name) == '"adamw"'
+    assert "optimizer='adam'" in repr(cfg.inner)
+    saved = to_yaml(cfg)
+    assert "precision: '64'" in saved and "optimizer: adam" in saved
+    (tmp_path / "config.yaml").write_text(saved)
+    assert load_config([], base=OmegaConf.load(tmp_path / "config.yaml")) == cfg
+    with pytest.raises(ValueError, match="inner.optimizer must be one of sgd, momentum, adam; got 'rmsprop'"):
+        InnerLoopConfig(optimizer="rmsprop")
 
 
 def test_overrides_must_be_key_value():

@@ -89,3 +89,15 @@ def test_explicit_head_dim_and_ffn_width():
     assert model.layers[0].attn.wk.weight.shape == (12, 32)
     assert model.layers[0].mlp.w_up.weight.shape == (40, 32)
     assert model(torch.randint(0, 37, (1, 6))).shape == (1, 6, 37)
+
+
+def test_null_sizes_resolve_in_the_model_and_follow_d_model_in_the_config():
+    from ttt.config import load_config
+
+    cfg = TransformerConfig(d_model=96, n_heads=4)
+    assert (cfg.n_kv_heads, cfg.head_dim, cfg.d_ff) == (None, None, None)
+    model = Transformer(cfg)
+    assert (model.cfg.n_kv_heads, model.cfg.head_dim, model.cfg.d_ff) == (4, 24, 256)
+    assert model.layers[0].mlp.w_up.weight.shape == (256, 96)
+    wider = load_config(["recipe=maml_longctx", "model.d_model=256"]).model
+    assert wider.d_ff is None and wider.resolved().d_ff == 704  # 8/3 * 256 rounded up to 32

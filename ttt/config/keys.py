@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import inspect
 import textwrap
+from enum import Enum
 from typing import Any
 
 
@@ -48,6 +49,8 @@ def config_keys(cfg: Any, prefix: str = "") -> list[tuple[str, str, Any, str]]:
             rows += config_keys(value, f"{key}.")
         else:
             kind = item.type if isinstance(item.type, str) else getattr(item.type, "__name__", str(item.type))
+            if isinstance(value, Enum):  # a Choice: show the values it takes
+                kind = "one of " + " | ".join(str(member.value) for member in type(value))
             rows.append((key, kind, value, docs.get(item.name, "")))
     return rows
 

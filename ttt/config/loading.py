@@ -2,21 +2,28 @@
 
     cfg = load_config(["recipe=maml_longctx", "trainer.max_steps=50"])
 
+A recipe YAML states what differs from its builder's defaults (the `Config` dataclass under recipes/),
+or, with a top-level `base: OTHER_RECIPE`, what differs from that recipe's YAML (itself resolved the
+same way; the builder is inherited): e.g. configs/maml_longctx_16k.yaml extends maml_longctx.
+
 Every key is checked before merging: an unknown or mistyped key raises ConfigError listing the
-valid keys at that level and the closest matches (difflib). Wrong value types and invalid values
-raise ConfigError naming the key.
+valid keys at that level and the closest matches (difflib); a value of a `Choice` field (or of a list
+of them) that is not one of its values raises ConfigError listing the valid values. Wrong value types
+and invalid values raise ConfigError naming the key.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+from omegaconf.nodes import EnumNode
 
+from .choice import Choice
 from .schema import RecipeConfig
 
 
@@ -48,13 +55,55 @@ def recipe_header(path: Path) -> str:
     return "\n".join(lines)
 
 
+def read_recipe(name: str, recipes: dict[str, Path], _children: tuple[str, ...] = ()) -> DictConfig:
+    """The YAML of recipe `name` merged onto the YAML of its `base:` recipe, if it names one (recursively;
+    a cycle or an unknown base is a ConfigError)."""
+    raw = OmegaConf.load(recipes[name])
+    parent = raw.pop("base", None)
+    if parent is None:
+        return raw
+    if parent == name or parent in _children:
+        chain = " -> ".join((*_children, name, parent))
+        raise ConfigError(f"{recipes[name]}: base: {parent} makes a cycle ({chain})")
+    if parent not in recipes:
+        raise ConfigError(
+            f"{recipes[name]}: unknown base {parent!r}{_close_matches(str(parent), list(recipes))}\n"
+            f"recipes: {', '.join(sorted(recipes))}"
+        )
+    return OmegaConf.merge(read_recipe(parent, recipes, (*_children, name)), raw)
+
+
 def _close_matches(word: str, choices: list[str]) -> str:
     matches = difflib.get_close_matches(word, choices, n=3, cutoff=0.6)
     return f"; did you mean {' or '.join(repr(m) for m in matches)}?" if matches else ""
 
 
+def _choice_type(node: Any) -> type[Choice] | None:
+    """The Choice class of a schema node: of the field itself, or of the elements of a list field."""
+    if isinstance(node, EnumNode):
+        kind = node.enum_type
+    elif isinstance(node, ListConfig):
+        kind = node._metadata.element_type
+    else:
+        return None
+    return kind if isinstance(kind, type) and issubclass(kind, Choice) else None
+
+
+def _check_choice(kind: type[Choice], value: Any, key: str, where: str) -> None:
+    """Raise ConfigError listing kind's values when `value` (a scalar or a list of them) is none of them."""
+    for item in value if isinstance(value, (list, ListConfig)) else [value]:
+        if item is None or isinstance(item, Enum) or str(item) in kind.values() + tuple(kind.__members__):
+            continue
+        try:
+            kind.parse(str(item), key)
+        except ValueError as err:
+            raise ConfigError(f"{err} ({where})") from None
+
+
 def _check_keys(given: Any, schema: Any, where: str, prefix: str = "") -> None:
-    """Raise ConfigError for the first key in `given` (a DictConfig) that `schema` does not have."""
+    """Raise ConfigError for the first key in `given` (a DictConfig) that `schema` does not have, or
+    whose value is not one of its Choice's values. Numbers given for a choice (trainer.precision=32)
+    are turned into the choice's string."""
     if not isinstance(given, DictConfig) or not isinstance(schema, DictConfig):
         return
     valid = [str(k) for k in schema]
@@ -65,6 +114,13 @@ def _check_keys(given: Any, schema: Any, where: str, prefix: str = "") -> None:
                 f"unknown config key {full!r} ({where}){_close_matches(str(key), valid)}\n"
                 f"valid keys{' under ' + prefix.rstrip('.') if prefix else ''}: {', '.join(valid)}"
             )
+        kind = _choice_type(schema._get_node(key))
+        if kind is not None:
+            value = given[key]
+            _check_choice(kind, value, full, where)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                given[key] = str(value)
+            continue
         _check_keys(given._get_node(key), schema._get_node(key), where, f"{full}.")
 
 
@@ -77,7 +133,8 @@ def _recipe_schema(builder: str, yaml_path: Path) -> type[RecipeConfig]:
         raise ConfigError(f"{yaml_path}: {err}") from err
 
 
-def _parse_overrides(overrides: list[str]) -> DictConfig:
+def parse_overrides(overrides: list[str]) -> DictConfig:
+    """"key=value" strings (OmegaConf dotlist syntax) as a DictConfig; ConfigError on a malformed one."""
     for item in overrides:
         if "=" not in item or item.startswith("="):
             raise ConfigError(f"override {item!r} must look like key=value (e.g. trainer.max_steps=100)")
@@ -87,13 +144,28 @@ def _parse_overrides(overrides: list[str]) -> DictConfig:
         raise ConfigError(f"could not parse the overrides {overrides}: {err}") from err
 
 
+def load_structured(schema_class: type, layers: list[tuple[DictConfig, str]]) -> Any:
+    """An instance of the dataclass `schema_class` from its defaults and `layers` merged in order, each
+    a (DictConfig, where it came from) pair. Every layer's keys and choices are checked first; any bad
+    key, type or value (including a ValueError of __post_init__) is a ConfigError naming it."""
+    schema = OmegaConf.structured(schema_class)
+    for given, where in layers:
+        _check_keys(given, schema, where)
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(schema, *(given for given, _ in layers)))
+    except OmegaConfBaseException as err:
+        raise ConfigError(str(err).splitlines()[0] + f" (key {err.full_key})") from err
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+
+
 def load_config(overrides: list[str], *, base: DictConfig | None = None) -> RecipeConfig:
     """The validated config object of recipe=NAME (from `overrides`) with the other overrides applied.
 
     overrides: "key=value" strings (OmegaConf dotlist); one of them must be recipe=NAME unless
     `base` (e.g. the saved config of a run being resumed) is given.
     """
-    cli = _parse_overrides(overrides)
+    cli = parse_overrides(overrides)
     recipes = available_recipes()
     if base is None:
         name = cli.get("recipe")
@@ -104,33 +176,30 @@ def load_config(overrides: list[str], *, base: DictConfig | None = None) -> Reci
                 f"unknown recipe {name!r}{_close_matches(str(name), list(recipes))}\n"
                 f"recipes: {', '.join(sorted(recipes))}"
             )
-        base = OmegaConf.load(recipes[name])
+        base = read_recipe(name, recipes)
         base.recipe = name
         source = str(recipes[name])
     else:
         source = "saved run config"
     builder = base.get("builder")
-    schema = OmegaConf.structured(_recipe_schema(builder, Path(source)))
-    _check_keys(base, schema, source)
-    _check_keys(cli, schema, "command line")
-    try:
-        merged = OmegaConf.merge(schema, base, cli)
-        if merged.builder != builder:
-            raise ConfigError(f"builder cannot be overridden (the recipe uses {builder!r})")
-        cfg = OmegaConf.to_object(merged)
-    except OmegaConfBaseException as err:
-        raise ConfigError(str(err).splitlines()[0] + f" (key {err.full_key})") from err
-    except ValueError as err:
-        raise ConfigError(str(err)) from err
+    schema_class = _recipe_schema(builder, Path(source))
+    if cli.get("builder", builder) != builder:
+        raise ConfigError(f"builder cannot be overridden (the recipe uses {builder!r})")
+    cfg = load_structured(schema_class, [(base, source), (cli, "command line")])
     cfg.optim.schedule_steps = cfg.schedule_steps  # the horizon stays with the run (see its doc)
     return cfg
 
 
+def _plain(value: Any) -> Any:
+    """`value` (nested dicts and lists from OmegaConf.to_container) with every Enum replaced by its value."""
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_plain(item) for item in value]
+    return value.value if isinstance(value, Enum) else value
+
+
 def to_yaml(cfg: RecipeConfig) -> str:
-    """The resolved config as YAML (derived defaults filled in)."""
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    """The resolved config as YAML (derived defaults filled in; choices as their values, which load back)."""
+    return OmegaConf.to_yaml(_plain(OmegaConf.to_container(OmegaConf.structured(cfg))))
 
-
-def config_dict(cfg: RecipeConfig) -> dict:
-    """The resolved config as plain nested dicts (for hyperparameter logging)."""
-    return dataclasses.asdict(cfg)

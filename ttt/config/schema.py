@@ -10,9 +10,57 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-OUTER_OPTIMIZERS = ("adamw", "adam", "sgd", "sophia_h", "adahessian")
-SCHEDULERS = ("constant", "cosine", "linear")
-STRATEGIES = ("auto", "ddp")
+from .choice import Choice
+
+
+class OuterOptimizer(Choice):
+    """optim.name."""
+
+    adamw = "adamw"
+    adam = "adam"
+    sgd = "sgd"
+    sophia_h = "sophia_h"
+    adahessian = "adahessian"
+
+
+class Scheduler(Choice):
+    """optim.scheduler."""
+
+    constant = "constant"
+    cosine = "cosine"
+    linear = "linear"
+
+
+class Precision(Choice):
+    """trainer.precision (Lightning's names)."""
+
+    true32 = "32-true"
+    plain32 = "32"
+    bf16_mixed = "bf16-mixed"
+    mixed16 = "16-mixed"
+    bf16_true = "bf16-true"
+    true16 = "16-true"
+    true64 = "64-true"
+    plain64 = "64"
+
+
+class Accelerator(Choice):
+    """trainer.accelerator (Lightning's names)."""
+
+    auto = "auto"
+    cpu = "cpu"
+    gpu = "gpu"
+    cuda = "cuda"
+    mps = "mps"
+
+
+class Strategy(Choice):
+    """trainer.strategy."""
+
+    auto = "auto"
+    ddp = "ddp"
+
+
 _SHARDING = (
     " is not supported: sharded strategies gather a layer's parameters only inside the wrapped module's "
     "own forward, while the inner loop calls the model through torch.func.functional_call with whole "
@@ -25,13 +73,14 @@ UNSUPPORTED_STRATEGIES = {
     "ddp_spawn": " is not supported: it pickles the data module, whose task samplers are closures; use ddp",
 }
 """Why these Lightning strategies are refused (the config error's text)."""
+Strategy.__refused__ = UNSUPPORTED_STRATEGIES
 
 
 @dataclass
 class OuterOptimConfig:
     """The outer (meta) optimizer and its learning-rate schedule."""
 
-    name: str = "adamw"
+    name: OuterOptimizer = OuterOptimizer.adamw
     """Optimizer: adamw, adam, sgd, or a Hessian optimizer (ttt.second_order): sophia_h, adahessian."""
     lr: float = 1e-3
     """Peak learning rate."""
@@ -43,7 +92,7 @@ class OuterOptimConfig:
     """Adam's second-moment decay."""
     grad_clip: float | None = 1.0
     """Clip the outer gradient to this global L2 norm; null: no clipping."""
-    scheduler: str = "cosine"
+    scheduler: Scheduler = Scheduler.cosine
     """Learning-rate schedule after warm-up: constant, cosine or linear (decay to min_lr_ratio * lr)."""
     warmup_steps: int = 0
     """Linear warm-up from 0 over this many outer steps."""
@@ -59,8 +108,8 @@ class OuterOptimConfig:
     """sophia_h, adahessian: steps between Hessian-diagonal estimates (the first step has one)."""
 
     def __post_init__(self):
-        if self.name not in OUTER_OPTIMIZERS:
-            raise ValueError(f"optim.name must be one of {OUTER_OPTIMIZERS}, got {self.name!r}")
+        self.name = OuterOptimizer.parse(self.name, "optim.name")
+        self.scheduler = Scheduler.parse(self.scheduler, "optim.scheduler")
         if not 0 < self.lr < math.inf:
             raise ValueError(f"optim.lr must be a positive finite float, got {self.lr}")
         if self.weight_decay < 0:
@@ -69,8 +118,6 @@ class OuterOptimConfig:
             raise ValueError(f"optim.beta1 and optim.beta2 must be in [0, 1), got {self.beta1}, {self.beta2}")
         if self.grad_clip is not None and self.grad_clip <= 0:
             raise ValueError(f"optim.grad_clip must be > 0 or null, got {self.grad_clip}")
-        if self.scheduler not in SCHEDULERS:
-            raise ValueError(f"optim.scheduler must be one of {SCHEDULERS}, got {self.scheduler!r}")
         if self.warmup_steps < 0:
             raise ValueError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
         if not 0 <= self.min_lr_ratio <= 1:
@@ -102,13 +149,13 @@ class TrainerConfig:
     """Held-out tasks evaluated after training (the summary's figures)."""
     eval_batch_size: int = 8
     """Tasks per validation / test batch."""
-    precision: str = "32-true"
+    precision: Precision = Precision.true32
     """Lightning precision: 32-true, bf16-mixed, 16-mixed, bf16-true, 64-true."""
-    accelerator: str = "auto"
-    """Lightning accelerator: auto, cpu, gpu / cuda."""
+    accelerator: Accelerator = Accelerator.auto
+    """Lightning accelerator: auto, cpu, gpu / cuda, mps."""
     devices: int = 1
     """Number of devices (processes) on this machine; with several, meta_batch_size is per device."""
-    strategy: str = "auto"
+    strategy: Strategy = Strategy.auto
     """Lightning strategy: ddp (data parallel, one process per device) or auto (ddp when devices > 1)."""
     find_unused_parameters: bool = False
     """ddp only: allow trainable parameters that get no outer gradient in a step (slower)."""
@@ -137,10 +184,9 @@ class TrainerConfig:
                 f"trainer.max_steps ({self.max_steps}) must be a multiple of trainer.steps_per_epoch "
                 f"({self.steps_per_epoch}): validation and resumable checkpoints happen at epoch ends"
             )
-        if self.strategy not in STRATEGIES:
-            if self.strategy in UNSUPPORTED_STRATEGIES:
-                raise ValueError(f"trainer.strategy={self.strategy}{UNSUPPORTED_STRATEGIES[self.strategy]}")
-            raise ValueError(f"trainer.strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        self.strategy = Strategy.parse(self.strategy, "trainer.strategy")
+        self.precision = Precision.parse(self.precision, "trainer.precision")
+        self.accelerator = Accelerator.parse(self.accelerator, "trainer.accelerator")
         if self.devices > 1:
             for name in ("val_tasks", "test_tasks"):
                 if getattr(self, name) % self.devices:
@@ -151,9 +197,6 @@ class TrainerConfig:
                     )
         if self.log_every_n_steps < 1:
             raise ValueError(f"trainer.log_every_n_steps must be >= 1, got {self.log_every_n_steps}")
-        precisions = ("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true", "64")
-        if self.precision not in precisions:
-            raise ValueError(f"trainer.precision must be one of {precisions}, got {self.precision!r}")
 
 
 @dataclass

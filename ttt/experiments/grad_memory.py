@@ -1,17 +1,18 @@
 """Inner-loop gradient memory: what one full meta step costs, per attention backend, as N and k grow.
 
-    python -m ttt.experiments.grad_memory [key=value ...]       # keys: ttt.experiments.grad_memory_config
+    python -m ttt.experiments.grad_memory [key=value ...]      # --help lists the keys; docs/grad_memory.md
 
 For each point (backend, N, k, first/second order, inner-step checkpointing) it runs one full meta
 step of a workload (`workloads`: the maml_longctx transformer with adapted MLPs, or TTT-E2E) through
 `meta_step_probe` and records peak memory, bytes saved for backward, the back-of-envelope predictions
 of both (`memory_model`), wall time, and whether it ran out of memory. The first point of each
-(backend, order) pair also runs a warm-up step (compilation), timed apart. Unattended runs are safe:
-a failed point is recorded (oom / timeout / error) and the larger points of its series (same backend,
-order and checkpointing, N and k at least as large) are skipped; results.csv is rewritten after every
-point; points that would start after `max_minutes`, or whose expected time (`expected_seconds`)
-exceeds what is left of it, are skipped. At the end: table.md, results.json,
-environment.json (written first) and the plots.
+(backend, order) pair also runs a warm-up step (compilation), timed apart. A failed point is recorded
+(oom / error) and the larger points of its series (same backend, order and checkpointing, N and k at
+least as large) are skipped; no point starts after `max_minutes`; results.csv is rewritten after
+every point. environment.json is written first; results.json, table.md and the plots at the end.
+
+The defaults are the GPU experiment; preset=cpu (chosen by preset=auto without CUDA) applies
+grad_memory_cpu.yaml, a seconds-long run; key=value overrides apply on top of the preset.
 """
 
 from __future__ import annotations
@@ -20,22 +21,159 @@ import dataclasses
 import json
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 
+from kernels.environment import describe
+from ttt.config.choice import Choice
+from ttt.config.loading import ConfigError, load_structured, parse_overrides
 from ttt.inner import select_parameters
 from ttt.models import Transformer, TransformerConfig
+from ttt.models.attention import AttentionBackend
+from ttt.tracking.atomic import atomic_write_text
 from ttt.ttt_layers import TTTConfig
 
 from . import grad_memory_report as report
-from .environment import describe
-from .grad_memory_config import SWEEPS, GradMemoryConfig, load
 from .memory_model import ModelDims, predicted_bytes, predicted_peak_bytes
 from .meta_step_probe import GIB, measure
-from .workloads import DEFAULT_ADAPTED, Point, ProbeSetup
+from .workloads import DEFAULT_ADAPTED, Order, Point, ProbeSetup, Workload
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+CPU_PRESET = Path(__file__).with_name("grad_memory_cpu.yaml")
+"""The overrides of preset=cpu."""
+SWEEPS = ("n_sweep", "checkpointed", "first_order", "k_sweep")
+"""The grids, in the order they run (the most important first, in case max_minutes runs out)."""
+
+
+class Preset(Choice):
+    """preset."""
+
+    auto = "auto"
+    cpu = "cpu"
+    gpu = "gpu"
+
+
+class Device(Choice):
+    """device."""
+
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class Dtype(Choice):
+    """dtype."""
+
+    auto = "auto"
+    bf16 = "bf16"
+    fp16 = "fp16"
+    fp32 = "fp32"
+
+
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass
+class Sweep:
+    """A grid: every backend x order x checkpoint x n x k."""
+
+    ns: list[int] = field(default_factory=list)
+    """Sequence lengths (tokens)."""
+    ks: list[int] = field(default_factory=lambda: [1])
+    """Inner steps."""
+    orders: list[Order] = field(default_factory=lambda: [Order.second])
+    """first and/or second (order of the meta-gradient)."""
+    checkpoint: list[bool] = field(default_factory=lambda: [False])
+    """Inner-step checkpointing off and/or on."""
+
+
+@dataclass
+class GradMemoryConfig:
+    """The experiment: model, inner loop, the four grids, the time budget and where the results go."""
+
+    preset: Preset = Preset.auto
+    """gpu (the defaults below), cpu (grad_memory_cpu.yaml: a tiny run), or auto: gpu when CUDA is
+    available, else cpu."""
+    out: str = "grad_memory_out"
+    """Output directory: results.csv, results.json, table.md, environment.json and the plots."""
+    device: Device = Device.auto
+    """cuda, cpu, or auto (cuda when available)."""
+    dtype: Dtype = Dtype.auto
+    """Parameter dtype: bf16, fp16, fp32, or auto (bf16 on CUDA, fp32 on the CPU)."""
+    workload: Workload = Workload.maml
+    """maml (the maml_longctx transformer, k inner steps on a whole sequence) or ttt_e2e (TTT-E2E:
+    fast-weight MLPs in the last suffix_len blocks, k inner steps per chunk of chunk_len tokens)."""
+    window: int | None = None
+    """Sliding attention window; null: full causal attention (what the memory model assumes)."""
+    chunk_len: int = 1024
+    """ttt_e2e: tokens per chunk."""
+    suffix_len: int = 1
+    """ttt_e2e: blocks read chunk by chunk, with fast weights."""
+    d_model: int = 512
+    """Width of the residual stream."""
+    n_layers: int = 2
+    """Transformer blocks."""
+    n_heads: int = 8
+    """Attention heads."""
+    head_dim: int = 64
+    """Width of one head."""
+    vocab_size: int = 256
+    """Vocabulary (the tokens are random)."""
+    adapted: list[str] | None = None
+    """Glob patterns of the parameters the inner loop adapts; null: every MLP (maml; what the memory
+    model assumes) or the suffix blocks' extra MLPs (ttt_e2e)."""
+    inner_lr: float = 0.01
+    """Inner SGD learning rate."""
+    backends: list[AttentionBackend] = field(default_factory=lambda: list(AttentionBackend))
+    """Attention backends to measure."""
+    n_sweep: Sweep = field(
+        default_factory=lambda: Sweep(ns=[1024, 4096, 16384, 32768, 65536, 131072, 262144, 524288], ks=[1, 2])
+    )
+    """Memory and time against N."""
+    k_sweep: Sweep = field(
+        default_factory=lambda: Sweep(ns=[16384, 131072], ks=[1, 2, 4, 8], checkpoint=[False, True])
+    )
+    """Memory and time against k."""
+    first_order: Sweep = field(
+        default_factory=lambda: Sweep(ns=[16384, 262144], ks=[2], orders=[Order.first])
+    )
+    """First-order MAML at a few N."""
+    checkpointed: Sweep = field(
+        default_factory=lambda: Sweep(ns=[16384, 65536, 262144, 524288], ks=[2], checkpoint=[True])
+    )
+    """Checkpointed inner steps at a few N (beyond where the stored graphs fit)."""
+    max_minutes: float = 5.0
+    """Budget of the sweep: points that would start later are skipped (a running point is not stopped)."""
+    seed: int = 0
+    """Seed of the weights and tokens."""
+    cpu_threads: int | None = None
+    """torch's CPU threads for the run (null: torch's default); the cpu preset uses 1, which on a shared
+    machine is many times faster than threads that wait for each other."""
+
+    def __post_init__(self):
+        for name in SWEEPS:
+            sweep = getattr(self, name)
+            if any(n < 2 for n in sweep.ns) or any(k < 1 for k in sweep.ks):
+                raise ValueError(f"{name}: ns must be >= 2 and ks >= 1, got {sweep.ns} and {sweep.ks}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be >= 1 or null, got {self.cpu_threads}")
+        if self.max_minutes <= 0:
+            raise ValueError(f"max_minutes must be > 0, got {self.max_minutes}")
+
+
+def load(overrides: list[str], *, cuda_available: bool) -> GradMemoryConfig:
+    """The config of `overrides` ("key=value") on top of the preset they choose (ConfigError naming a bad
+    key or value, with the valid keys or values)."""
+    cli = parse_overrides(overrides)
+    preset = Preset.parse(cli.pop("preset", "auto"), "preset")
+    if preset == Preset.auto:
+        preset = Preset.gpu if cuda_available else Preset.cpu
+    layers = [(OmegaConf.create({"preset": preset.value}), "preset")]
+    if preset == Preset.cpu:
+        layers.append((OmegaConf.load(CPU_PRESET), str(CPU_PRESET)))
+    return load_structured(GradMemoryConfig, [*layers, (cli, "command line")])
 
 
 def sweep_points(cfg: GradMemoryConfig) -> list[Point]:
@@ -52,40 +190,20 @@ def sweep_points(cfg: GradMemoryConfig) -> list[Point]:
     return list(points)
 
 
-def blocked_by(point: Point, failed: list[Point]) -> Point | None:
-    """A failed point of the same series with N and k no larger than `point`'s, if any."""
-    for bad in failed:
+def blocked_by(point: Point, failed: dict[Point, str]) -> str | None:
+    """Why `point` is skipped: a failed point of its series with N and k no larger than its own, if any."""
+    for bad, status in failed.items():
         same = (bad.backend, bad.order, bad.checkpoint) == (point.backend, point.order, point.checkpoint)
         if same and bad.n <= point.n and bad.k <= point.k:
-            return bad
+            return f"skipped ({status} at N={bad.n}, k={bad.k})"
     return None
-
-
-def expected_seconds(point: Point, rows: list[dict]) -> float:
-    """A pessimistic guess of the point's step time from the largest measured point of its series below
-    it: time grows as N^2 (attention) and as k + 1 (graphs); 0 when nothing is known."""
-    below = [
-        r
-        for r in rows
-        if r["status"] == "ok"
-        and r["seconds"]
-        and (r["backend"], r["order"], r["checkpoint"]) == (point.backend, point.order, point.checkpoint)
-        and r["n"] <= point.n
-        and r["k"] <= point.k
-    ]
-    if not below:
-        return 0.0
-    ref = max(below, key=lambda r: (r["n"], r["k"]))
-    return ref["seconds"] * (point.n / ref["n"]) ** 2 * (point.k + 1) / (ref["k"] + 1)
 
 
 def resolve(cfg: GradMemoryConfig) -> ProbeSetup:
     """The fixed part of every point: model config, adapted parameters, device and dtype (auto resolved)."""
-    if cfg.device == "auto":
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    else:
-        device = torch.device(cfg.device)
-    dtype = cfg.dtype if cfg.dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32")
+    cuda = torch.cuda.is_available() if cfg.device == Device.auto else cfg.device == Device.cuda
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = cfg.dtype.value if cfg.dtype != Dtype.auto else ("bf16" if cuda else "fp32")
     model = TransformerConfig(
         vocab_size=cfg.vocab_size,
         d_model=cfg.d_model,
@@ -96,14 +214,19 @@ def resolve(cfg: GradMemoryConfig) -> ProbeSetup:
     )
     adapted = list(cfg.adapted or DEFAULT_ADAPTED[cfg.workload])
     ttt = TTTConfig(suffix_len=cfg.suffix_len, chunk_len=cfg.chunk_len)
-    return ProbeSetup(model, adapted, cfg.inner_lr, device, DTYPES[dtype], cfg.seed, cfg.workload, ttt)
+    return ProbeSetup(model, adapted, cfg.inner_lr, device, TORCH_DTYPES[dtype], cfg.seed, cfg.workload, ttt)
+
+
+def executed_backend(backend: str, device: torch.device) -> str:
+    """The attention code that actually runs: flashbob is the plain-PyTorch (eager) path off CUDA."""
+    return "eager" if backend == "flashbob" and device.type != "cuda" else backend
 
 
 def predictor(setup: ProbeSetup):
     """point -> {"predicted_gib": saved graphs, "predicted_peak_gib": plus the transients} from
     `memory_model` for the sweep's model (built on the meta device: no memory); None values where the
     model does not apply (ttt_e2e, a sliding window)."""
-    if setup.workload != "maml" or setup.model.window is not None:
+    if setup.workload != Workload.maml or setup.model.window is not None:
         return lambda point: {"predicted_gib": None, "predicted_peak_gib": None}
     with torch.device("meta"):
         model = Transformer(setup.model).to(setup.dtype)
@@ -123,63 +246,54 @@ def predictor(setup: ProbeSetup):
 
 def summary(setup: ProbeSetup) -> str:
     """One line naming the workload, the model and the adapted parameters."""
-    m = setup.model
+    m = setup.model.resolved()
     text = (
         f"{setup.workload}: {m.n_layers} layers, d_model {m.d_model}, {m.n_heads} heads of {m.head_dim}, "
         f"{'full causal' if m.window is None else f'window {m.window}'}, vocab {m.vocab_size}, "
         f"{str(setup.dtype).removeprefix('torch.')}, batch 1, adapted {setup.adapted}, "
         f"inner SGD lr {setup.inner_lr}"
     )
-    if setup.workload == "ttt_e2e":
+    if setup.workload == Workload.ttt_e2e:
         text += f", chunks of {setup.ttt.chunk_len}, suffix of {setup.ttt.suffix_len} block(s)"
     return text
 
 
-def executed_backend(backend: str, device: torch.device) -> str:
-    """The attention code that actually runs: flashbob is the plain-PyTorch (eager) path off CUDA."""
-    return "eager" if backend == "flashbob" and device.type != "cuda" else backend
-
-
-def run(cfg: GradMemoryConfig) -> list[dict]:
-    """Measure every point of `cfg`, writing the outputs under cfg.out as it goes; returns the rows."""
+def run(cfg: GradMemoryConfig, args: list[str] | None = None) -> list[dict]:
+    """Measure every point of `cfg`, writing the outputs under cfg.out as it goes; returns the rows.
+    args: the command line's overrides, for the record (None: sys.argv's)."""
     setup = resolve(cfg)
     out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
     env = {
-        **describe(setup.device),
+        **describe(setup.device, "ttt.experiments.grad_memory", args),
         "dtype": str(setup.dtype).removeprefix("torch."),
         "setup": summary(setup),
     }
-    report.write_atomic(out / "environment.json", json.dumps(env, indent=1) + "\n")
+    atomic_write_text(out / "environment.json", json.dumps(env, indent=1) + "\n")
     predict = predictor(setup)
     points = sweep_points(cfg)
-    print(
-        f"grad_memory: {len(points)} points on {env['device']} ({env['dtype']}); writing {out}/", flush=True
-    )
+    where = f"{env['device']} ({env['dtype']})"
+    print(f"grad_memory: {len(points)} points on {where}; writing {out}/", flush=True)
     rows, failed, warmed = [], {}, set()
-    start = time.perf_counter()
+    deadline = time.monotonic() + cfg.max_minutes * 60
     for point in points:
-        row = {**vars(point), "error": "", **dict.fromkeys(report.MEASURED), **predict(point)}
-        left_s = cfg.max_minutes * 60 - (time.perf_counter() - start)
-        bad = blocked_by(point, list(failed))
-        if bad is not None:
-            row["status"] = f"skipped ({failed[bad]} at N={bad.n}, k={bad.k})"
-        elif left_s <= 0 or expected_seconds(point, rows) > left_s:
-            row["status"] = "skipped (budget)"
+        row = {**dataclasses.asdict(point), "error": "", **dict.fromkeys(report.MEASURED), **predict(point)}
+        skipped = blocked_by(point, failed)
+        if skipped is None and time.monotonic() > deadline:
+            skipped = "skipped (budget)"
+        if skipped is not None:
+            row["status"] = skipped
         else:
-            limit = left_s if cfg.point_time_limit_s is None else min(left_s, cfg.point_time_limit_s)
-            warmup = (point.backend, point.order) not in warmed
-            row.update(measure(setup, point, time_limit_s=limit, warmup=warmup, warmup_limit_s=left_s))
+            row.update(measure(setup, point, warmup=(point.backend, point.order) not in warmed))
             if row["status"] == "ok":
                 warmed.add((point.backend, point.order))
             else:
                 failed[point] = row["status"]
         rows.append(row)
         print(report.progress_line(row), flush=True)
-        report.write_atomic(out / "results.csv", report.csv_text(rows))
-    report.write_atomic(out / "results.json", json.dumps({"environment": env, "rows": rows}, indent=1) + "\n")
+        atomic_write_text(out / "results.csv", report.csv_text(rows))
+    atomic_write_text(out / "results.json", json.dumps({"environment": env, "rows": rows}, indent=1) + "\n")
     report.render(rows, env, out)
-    print("\n".join(report.headline(rows)))
+    print("\n".join(report.headline(rows, env)))
     return rows
 
 
@@ -188,21 +302,21 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if any(arg in ("-h", "--help") for arg in argv):
         print(__doc__)
-        print("Keys (key=value; each is documented in ttt/experiments/grad_memory_config.py):")
-        for field in dataclasses.fields(GradMemoryConfig):
-            default = "" if field.default is dataclasses.MISSING else f" = {field.default!r}"
-            print(f"  {field.name}{default}")
+        print("Keys (key=value; each is documented in ttt/experiments/grad_memory.py, GradMemoryConfig):")
+        for item in dataclasses.fields(GradMemoryConfig):
+            default = "" if item.default is dataclasses.MISSING else f" = {item.default}"
+            print(f"  {item.name}{default}")
         return 0
     try:
         cfg = load(argv, cuda_available=torch.cuda.is_available())
-    except ValueError as err:
+    except (ConfigError, ValueError) as err:
         print(f"grad_memory: {err}", file=sys.stderr)
         return 2
     threads = torch.get_num_threads()
     if cfg.cpu_threads is not None:
         torch.set_num_threads(cfg.cpu_threads)
     try:
-        run(cfg)
+        run(cfg, argv)
     finally:
         torch.set_num_threads(threads)
     return 0

@@ -11,9 +11,10 @@ from __future__ import annotations
 import csv
 import io
 import json
-import os
 import sys
 from pathlib import Path
+
+from ttt.tracking.atomic import atomic_write_text
 
 COLUMNS = (
     "backend",
@@ -36,13 +37,6 @@ GIB = ".3g"
 """Format of GiB cells: three significant digits (76.4, 0.00123)."""
 BACKEND_STYLE = {"flashbob": "tab:blue", "eager": "tab:red", "sdpa_math": "tab:orange"}
 K_MARKERS = {1: "o", 2: "s", 4: "^", 8: "D"}
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write `text` to `path` through a temporary file, so a killed run never leaves half a file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _csv_value(value):
@@ -130,8 +124,19 @@ def _k_slopes(rows: list[dict]) -> list[str]:
     return lines
 
 
-def _speed(rows: list[dict]) -> list[str]:
-    """Eager / FlashBoB time at the largest N both ran, per series."""
+def _on_cuda(env: dict) -> bool:
+    """Whether the run was on CUDA (older environment.json files have no device_type: a device memory
+    was recorded only on CUDA)."""
+    return env.get("device_type", "cuda" if env.get("device_memory_gib") else "cpu") == "cuda"
+
+
+def _speed(rows: list[dict], env: dict) -> list[str]:
+    """Eager / FlashBoB time at the largest N both ran, per series; on CUDA only: elsewhere flashbob
+    runs the same plain-PyTorch attention as eager, and the ratio would mean nothing."""
+    if not _on_cuda(env):
+        return [
+            "- speed: no eager / flashbob ratio off CUDA (both ran the same plain-PyTorch attention there)"
+        ]
     lines = []
     for k, order, ckpt in sorted({(r["k"], r["order"], r["checkpoint"]) for r in rows}):
         eager = {r["n"]: r for r in _ok(rows, backend="eager", k=k, order=order, checkpoint=ckpt)}
@@ -167,10 +172,10 @@ def _model_check(rows: list[dict]) -> list[str]:
     return lines
 
 
-def headline(rows: list[dict]) -> list[str]:
-    """Findings as markdown bullets: reach and first OOM per series, memory slopes, speed ratios, and
-    how measured memory compares with the model."""
-    return _reach(rows) + _k_slopes(rows) + _speed(rows) + _model_check(rows)
+def headline(rows: list[dict], env: dict) -> list[str]:
+    """Findings as markdown bullets: reach and first OOM per series, memory slopes, speed ratios (CUDA
+    only), and how measured memory compares with the model."""
+    return _reach(rows) + _k_slopes(rows) + _speed(rows, env) + _model_check(rows)
 
 
 def progress_line(row: dict) -> str:
@@ -198,7 +203,7 @@ def markdown(rows: list[dict], env: dict) -> str:
         f"Command: `{env['command']}`",
         f"Setup: {env['setup']}",
         "",
-        *headline(rows),
+        *headline(rows, env),
         "",
         "| backend | order | ckpt | k | N | status | peak GiB | model peak GiB | saved GiB | "
         "model saved GiB | saved KiB/token | time s | first call s |",
@@ -294,7 +299,7 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
 
 def render(rows: list[dict], env: dict, out_dir: Path) -> None:
     """Write table.md and the plots under out_dir (the plots are skipped, with a note, without matplotlib)."""
-    write_atomic(out_dir / "table.md", markdown(rows, env))
+    atomic_write_text(out_dir / "table.md", markdown(rows, env))
     try:
         plot(rows, out_dir)
     except ImportError as err:

@@ -10,53 +10,24 @@ Measured per point:
                   Off CUDA: the parameters plus the peak of `LiveTensorMeter` (every tensor the step
                   creates, while it lives)
     saved_gib     peak bytes saved for backward (`SavedTensorMeter`), on any device
-A failure never propagates: out-of-memory gives status "oom", the time limit "timeout", anything else
-"error"; memory is released either way, so the sweep can go on.
+A failure never propagates: out-of-memory gives status "oom", anything else "error" (with the
+exception's message); memory is released either way, so the sweep can go on.
 """
 
 from __future__ import annotations
 
 import gc
-import signal
-import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 from torch import nn
 
-from .live_bytes import LiveTensorMeter
-from .saved_bytes import SavedTensorMeter
+from .memory_meters import LiveTensorMeter, SavedTensorMeter
 from .workloads import Point, ProbeSetup, build
 
 GIB = 2**30
-
-
-class PointTimeout(Exception):
-    """Raised inside a step that ran past its time limit."""
-
-
-@contextmanager
-def time_limit(seconds: float | None) -> Iterator[None]:
-    """Raise PointTimeout in the block after `seconds` (SIGALRM; main thread only, else no limit).
-
-    A running CUDA kernel is not interrupted: the exception comes at the next Python bytecode.
-    """
-    if not seconds or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def expire(signum, frame):
-        raise PointTimeout(f"over the time limit of {seconds:g} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def is_out_of_memory(err: BaseException) -> bool:
@@ -90,19 +61,18 @@ def _timed_step(model: nn.Module, step: Callable[[], None], device: torch.device
     return time.perf_counter() - start
 
 
-def _measure(setup: ProbeSetup, point: Point, warmup: bool, warmup_limit_s, limit_s, builder) -> dict:
+def _measure(setup: ProbeSetup, point: Point, warmup: bool, builder) -> dict:
     model, step = builder(setup, point)
     params_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     row = {"params_gib": params_bytes / GIB}
     if warmup:
-        with time_limit(warmup_limit_s):
-            row["first_call_s"] = _timed_step(model, step, setup.device)
+        row["first_call_s"] = _timed_step(model, step, setup.device)
     model.zero_grad(set_to_none=True)
     _release(setup.device, collect=False)
     if setup.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(setup.device)
     live = nullcontext() if setup.device.type == "cuda" else LiveTensorMeter()
-    with time_limit(limit_s), SavedTensorMeter() as meter, live:
+    with SavedTensorMeter() as meter, live:
         row["seconds"] = _timed_step(model, step, setup.device)
     row["saved_gib"] = meter.peak_bytes / GIB
     if setup.device.type == "cuda":
@@ -116,31 +86,22 @@ def measure(
     setup: ProbeSetup,
     point: Point,
     *,
-    time_limit_s: float | None,
     warmup: bool = False,
-    warmup_limit_s: float | None = None,
     builder: Callable[[ProbeSetup, Point], tuple[nn.Module, Callable[[], None]]] = build,
 ) -> dict:
-    """Run and measure one meta step at `point` within time_limit_s (None: no limit). With `warmup`,
-    a first step (compilation included) is timed alone before, within warmup_limit_s (None: no limit).
-    builder(setup, point) -> (model, step) makes the workload (default: `workloads.build`; any setup
-    with a `device` works with another builder, e.g. benchmarks/transformers_meta_step.py).
+    """Run and measure one meta step at `point`; with `warmup`, a first step (compilation included) is
+    timed alone before it. builder(setup, point) -> (model, step) makes the workload (default:
+    `workloads.build`; any setup with a `device` works with another builder, e.g.
+    benchmarks/transformers_meta_step.py).
 
-    Returns {"status": ok | oom | timeout | error, "error": message or "", "seconds", "first_call_s",
+    Returns {"status": ok | oom | error, "error": message or "", "seconds", "first_call_s",
     "peak_gib", "saved_gib", "params_gib"}; after a failure the measured values are None.
     """
     row = dict.fromkeys(("seconds", "first_call_s", "peak_gib", "saved_gib", "params_gib"))
     status, error = "ok", ""
     try:
-        row.update(_measure(setup, point, warmup, warmup_limit_s, time_limit_s, builder))
-    except PointTimeout as err:
-        status, error = "timeout", str(err)
+        row.update(_measure(setup, point, warmup, builder))
     except Exception as err:
-        if is_out_of_memory(err):
-            status, error = "oom", ""
-        elif "over the time limit" in str(err):
-            status, error = "timeout", str(err).splitlines()[0]
-        else:
-            status, error = "error", f"{type(err).__name__}: {err}"
+        status, error = ("oom", "") if is_out_of_memory(err) else ("error", f"{type(err).__name__}: {err}")
     _release(setup.device, collect=status != "ok")
     return {**row, "status": status, "error": error}

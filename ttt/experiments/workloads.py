@@ -6,7 +6,9 @@
     ttt_e2e   a `TTTTransformer` (TTT-E2E): its last suffix_len blocks read the sequence in chunks of
               chunk_len tokens and their fast weights (default: the extra MLPs) take k inner SGD steps
               on each chunk's loss after scoring it; the outer loss is the mean next-token loss.
-Either way the step ends with the outer backward into every parameter.
+Either way the step ends with the outer backward into every parameter. A task is two random token
+sequences, `inner` and `outer`, each (N + 1,) int64: random tokens are enough, memory and time do
+not depend on the values.
 """
 
 from __future__ import annotations
@@ -16,15 +18,29 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from ttt.inner import InnerLoop, InnerLoopConfig, meta_step, select_parameters
+from ttt.config.choice import Choice
+from ttt.inner import InnerLoop, InnerLoopConfig, functional_forward, meta_step, select_parameters
 from ttt.models import Transformer, TransformerConfig
 from ttt.ttt_layers import TTTConfig, TTTTransformer
 
-from .next_token import NextTokenObjective, random_task
 
-WORKLOADS = ("maml", "ttt_e2e")
+class Workload(Choice):
+    """What one meta step is (the module docstring)."""
+
+    maml = "maml"
+    ttt_e2e = "ttt_e2e"
+
+
+class Order(Choice):
+    """Order of the meta-gradient."""
+
+    first = "first"
+    second = "second"
+
+
 DEFAULT_ADAPTED = {"maml": ["layers.*.mlp.*"], "ttt_e2e": ["layers.*.ttt_mlp.*"]}
 
 
@@ -38,8 +54,8 @@ class Point:
     """Sequence length (tokens) of the inner and of the outer sequence."""
     k: int
     """Inner steps (ttt_e2e: per chunk)."""
-    order: str
-    """"second" (differentiate through the inner gradients) or "first" (first-order MAML)."""
+    order: Order
+    """second (differentiate through the inner gradients) or first (first-order MAML)."""
     checkpoint: bool
     """Recompute each inner step (ttt_e2e: each chunk) in the outer backward instead of storing it."""
 
@@ -60,10 +76,39 @@ class ProbeSetup:
     """Parameter (and so activation) dtype."""
     seed: int
     """Seed of the weights and of the tokens."""
-    workload: str = "maml"
+    workload: Workload = Workload.maml
     """maml or ttt_e2e."""
     ttt: TTTConfig = dataclasses.field(default_factory=TTTConfig)
     """Chunking and suffix of the ttt_e2e workload."""
+
+
+def random_task(n: int, vocab_size: int, device: torch.device, seed: int) -> dict[str, torch.Tensor]:
+    """{"inner": (n + 1,), "outer": (n + 1,)} int64 tokens in [0, vocab_size), reproducible from seed."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(vocab_size, (2, n + 1), generator=gen)
+    return {"inner": tokens[0].to(device), "outer": tokens[1].to(device)}
+
+
+def next_token_loss(
+    model: Transformer, params: dict[str, torch.Tensor], tokens: torch.Tensor
+) -> torch.Tensor:
+    """Mean cross-entropy (float32 scalar) of predicting tokens[1:] from tokens[:-1] (tokens: (N + 1,))."""
+    logits = functional_forward(model, params, tokens[None, :-1])[0]
+    return F.cross_entropy(logits.float(), tokens[1:])
+
+
+class NextTokenObjective:
+    """`ttt.inner.TaskObjective` of `random_task` tasks: next-token loss on task["inner"] (the same
+    sequence at every inner step), then on task["outer"] with the adapted params."""
+
+    def __init__(self, model: Transformer):
+        self.model = model
+
+    def inner_loss(self, params: dict[str, torch.Tensor], task: dict, step: int) -> torch.Tensor:
+        return next_token_loss(self.model, params, task["inner"])
+
+    def outer_loss(self, params: dict[str, torch.Tensor], task: dict) -> tuple[torch.Tensor, dict]:
+        return next_token_loss(self.model, params, task["outer"]), {}
 
 
 def _inner_config(setup: ProbeSetup, point: Point) -> InnerLoopConfig:
@@ -98,4 +143,4 @@ def build(setup: ProbeSetup, point: Point) -> tuple[nn.Module, Callable[[], None
             model.token_losses(task["inner"][None]).mean().backward()
 
         return model, ttt_step
-    raise ValueError(f"workload must be one of {WORKLOADS}, got {setup.workload!r}")
+    raise ValueError(f"workload must be one of {', '.join(Workload.values())}, got {setup.workload!r}")

@@ -5,8 +5,23 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-INNER_OPTIMIZERS = ("sgd", "momentum", "adam")
-LEARNABLE_LR_MODES = ("none", "tensor", "element")
+from ttt.config.choice import Choice
+
+
+class InnerOptimizer(Choice):
+    """inner.optimizer."""
+
+    sgd = "sgd"
+    momentum = "momentum"
+    adam = "adam"
+
+
+class LearnableLR(Choice):
+    """inner.learnable_lr."""
+
+    none = "none"
+    tensor = "tensor"
+    element = "element"
 
 
 @dataclass
@@ -19,11 +34,11 @@ class InnerLoopConfig:
     """Inner optimizer steps during meta-training."""
     eval_steps: int | None = None
     """Inner optimizer steps at validation and test; None means the same as steps."""
-    optimizer: str = "sgd"
+    optimizer: InnerOptimizer = InnerOptimizer.sgd
     """Differentiable inner optimizer: sgd, momentum or adam."""
     lr: float = 0.01
     """Inner learning rate (the initial value when learnable)."""
-    learnable_lr: str = "none"
+    learnable_lr: LearnableLR = LearnableLR.none
     """Meta-learn the inner learning rates (Meta-SGD): none, tensor (one per parameter tensor) or element."""
     momentum: float = 0.9
     """Momentum coefficient of the momentum optimizer."""
@@ -52,12 +67,8 @@ class InnerLoopConfig:
                 f"inner.lr must be a positive finite float, got {self.lr} (zero does not adapt, a "
                 "negative lr ascends the inner loss)"
             )
-        if self.optimizer not in INNER_OPTIMIZERS:
-            raise ValueError(f"inner.optimizer must be one of {INNER_OPTIMIZERS}, got {self.optimizer!r}")
-        if self.learnable_lr not in LEARNABLE_LR_MODES:
-            raise ValueError(
-                f"inner.learnable_lr must be one of {LEARNABLE_LR_MODES}, got {self.learnable_lr!r}"
-            )
+        self.optimizer = InnerOptimizer.parse(self.optimizer, "inner.optimizer")
+        self.learnable_lr = LearnableLR.parse(self.learnable_lr, "inner.learnable_lr")
         if not 0 <= self.momentum < 1:
             raise ValueError(f"inner.momentum must be in [0, 1), got {self.momentum}")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):

@@ -18,14 +18,18 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import kernels
 from kernels.masks import visible_keys
+from ttt.config.choice import Choice
 
-ATTENTION_BACKENDS = ("flashbob", "eager", "sdpa_math")
+
+class AttentionBackend(Choice):
+    """model.attention: which implementation `attention` runs."""
+
+    flashbob = "flashbob"
+    eager = "eager"
+    sdpa_math = "sdpa_math"
 
 
-def check_attention_backend(backend: str) -> None:
-    """Raise ValueError naming the valid choices when `backend` is not one of ATTENTION_BACKENDS."""
-    if backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
+ATTENTION_BACKENDS = AttentionBackend.values()
 
 
 def _sdpa_math(q, k, v, *, causal, window, scale):
@@ -53,7 +57,7 @@ def attention(
     causal / window / scale as in `kernels.flash_attention` (scale defaults to D ** -0.5).
     With "sdpa_math", every query must see at least one key (true whenever N <= M and causal).
     """
-    check_attention_backend(backend)
+    backend = AttentionBackend.parse(backend, "attention backend")
     if backend == "sdpa_math":
         return _sdpa_math(q, k, v, causal=causal, window=window, scale=scale)
     kernel_backend = "auto" if backend == "flashbob" else "torch"

@@ -7,7 +7,6 @@ the project's models, with attention through the project's switch (FlashBoB by d
 Supported `architectures` (config.json):
     LlamaForCausalLM (Llama 2/3 without rope scaling, SmolLM / SmolLM2, TinyLlama) -> `Transformer`
     Qwen2ForCausalLM (Qwen2, Qwen2.5; q/k/v biases)                                   -> `Transformer`
-    GPT2LMHeadModel (GPT-2, DistilGPT2)                                                -> `GPT2`
 Weights: model.safetensors, or shards listed in model.safetensors.index.json. Every tensor is
 checked: a missing, unexpected or mis-shaped weight is an error that names it.
 """
@@ -17,14 +16,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from .gpt2 import GPT2, GPT2Config
 from .transformer import Transformer, TransformerConfig
 
 LLAMA_NAMES = [
@@ -41,24 +38,6 @@ LLAMA_NAMES = [
 
 LLAMA_IGNORED = r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq"
 """Buffers some older Llama checkpoints store; they are recomputed."""
-
-GPT2_NAMES = [
-    (r"wte\.weight", "embed.weight"),
-    (r"wpe\.weight", "pos_embed.weight"),
-    (r"h\.(\d+)\.ln_1\.(weight|bias)", r"layers.\1.attn_norm.\2"),
-    (r"h\.(\d+)\.attn\.c_attn\.(weight|bias)", r"layers.\1.attn.c_attn.\2"),
-    (r"h\.(\d+)\.attn\.c_proj\.(weight|bias)", r"layers.\1.attn.wo.\2"),
-    (r"h\.(\d+)\.ln_2\.(weight|bias)", r"layers.\1.mlp_norm.\2"),
-    (r"h\.(\d+)\.mlp\.c_fc\.(weight|bias)", r"layers.\1.mlp.w_in.\2"),
-    (r"h\.(\d+)\.mlp\.c_proj\.(weight|bias)", r"layers.\1.mlp.w_out.\2"),
-    (r"ln_f\.(weight|bias)", r"norm.\1"),
-]
-"""Hugging Face GPT-2 tensor names (without the optional "transformer." prefix) -> `GPT2` names;
-c_attn is split into wq, wk, wv afterwards."""
-
-GPT2_IGNORED = r"h\.\d+\.attn\.(bias|masked_bias)|lm_head\.weight"
-"""Causal-mask buffers of older GPT-2 checkpoints, and the head (tied to wte)."""
-
 
 def _rope_theta(hf: dict) -> float:
     params = hf.get("rope_parameters") or {}
@@ -103,26 +82,6 @@ def llama_config(hf: dict) -> TransformerConfig:
     )
 
 
-def gpt2_config(hf: dict) -> GPT2Config:
-    """`GPT2Config` of a GPT-2 config.json (parsed)."""
-    _require_false(hf, "scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn")
-    for key in ("scale_attn_weights", "tie_word_embeddings"):
-        if hf.get(key) is False:
-            raise ValueError(
-                f"config.json: {key}=false is not supported (GPT-2 scales attention and ties its head)"
-            )
-    return GPT2Config(
-        vocab_size=_required(hf, "vocab_size"),
-        d_model=_required(hf, "n_embd"),
-        n_layers=_required(hf, "n_layer"),
-        n_heads=_required(hf, "n_head"),
-        d_ff=hf.get("n_inner") or 4 * hf["n_embd"],
-        max_positions=_required(hf, "n_positions"),
-        norm_eps=hf.get("layer_norm_epsilon", 1e-5),
-        activation=hf.get("activation_function", "gelu_new"),
-    )
-
-
 def _rename(tensors: dict[str, torch.Tensor], table: list, ignored: str) -> dict[str, torch.Tensor]:
     renamed, unknown = {}, []
     for name, tensor in tensors.items():
@@ -147,36 +106,9 @@ def llama_state_dict(tensors: dict[str, torch.Tensor], cfg: TransformerConfig) -
     return state
 
 
-def gpt2_state_dict(tensors: dict[str, torch.Tensor], cfg: GPT2Config) -> dict[str, torch.Tensor]:
-    """Hugging Face GPT-2 tensors -> `GPT2` state dict. GPT-2's Conv1D weights are stored (in, out):
-    they are transposed, and the fused c_attn (d, 3d) is split into wq, wk, wv."""
-    state = _rename(
-        {name.removeprefix("transformer."): t for name, t in tensors.items()}, GPT2_NAMES, GPT2_IGNORED
-    )
-    out = {}
-    for name, tensor in state.items():
-        if name.endswith("attn.c_attn.weight") or name.endswith("attn.c_attn.bias"):
-            kind = name.rsplit(".", 1)[1]
-            if tensor.shape[-1] != 3 * cfg.d_model:
-                raise ValueError(
-                    f"tensor {name}: expected last dimension 3 * d_model = {3 * cfg.d_model}, "
-                    f"got shape {tuple(tensor.shape)}"
-                )
-            for head, part in zip("qkv", tensor.split(cfg.d_model, dim=-1)):
-                out[name.replace("c_attn", f"w{head}")] = part.t() if kind == "weight" else part
-        elif tensor.dim() == 2 and (".attn." in name or ".mlp." in name):
-            out[name] = tensor.t()
-        else:
-            out[name] = tensor
-    return out
-
-
-ARCHITECTURES: dict[str, tuple[Callable, type[nn.Module], Callable]] = {
-    "LlamaForCausalLM": (llama_config, Transformer, llama_state_dict),
-    "Qwen2ForCausalLM": (llama_config, Transformer, llama_state_dict),
-    "GPT2LMHeadModel": (gpt2_config, GPT2, gpt2_state_dict),
-}
-"""config.json `architectures[0]` -> (config parser, model class, weight mapper)."""
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+"""config.json `architectures[0]` values that load onto `Transformer` (GPT-2 and any other Hugging Face
+model run with our attention through transformers itself, `kernels.register_transformers`)."""
 
 
 def read_hf_config(path: Path) -> dict:
@@ -242,16 +174,14 @@ def _with_overrides(cfg, overrides: dict):
     return dataclasses.replace(cfg, **overrides)
 
 
-def pretrained_config(path: str | Path, **overrides) -> TransformerConfig | GPT2Config:
+def pretrained_config(path: str | Path, **overrides) -> TransformerConfig:
     """The model config of checkpoint directory `path`, with `overrides` (config field -> value) applied."""
-    hf = read_hf_config(Path(path))
-    parse_config = ARCHITECTURES[hf["architectures"][0]][0]
-    return _with_overrides(parse_config(hf), overrides)
+    return _with_overrides(llama_config(read_hf_config(Path(path))), overrides)
 
 
 def from_pretrained(
     path: str | Path, *, dtype: torch.dtype = torch.float32, **overrides
-) -> Transformer | GPT2:
+) -> Transformer:
     """The model stored in Hugging Face format in directory `path`, its weights cast to `dtype`.
 
     overrides: fields of the model config, e.g. attention="eager" or window=1024 (the attention
@@ -260,7 +190,6 @@ def from_pretrained(
     """
     path = Path(path)
     cfg = pretrained_config(path, **overrides)
-    _, model_class, map_weights = ARCHITECTURES[read_hf_config(path)["architectures"][0]]
-    model = model_class(cfg)
-    load_checked(model, map_weights(read_safetensors(path), cfg))
+    model = Transformer(cfg)
+    load_checked(model, llama_state_dict(read_safetensors(path), cfg))
     return model.to(dtype)

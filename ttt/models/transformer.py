@@ -19,6 +19,7 @@ Llama-family checkpoints.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -26,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import attention, check_attention_backend
+from .attention import AttentionBackend, attention
 
 
 @dataclass
@@ -42,11 +43,11 @@ class TransformerConfig:
     n_heads: int = 4
     """Number of query heads."""
     n_kv_heads: int | None = None
-    """Number of key/value heads (grouped-query attention); None means n_heads."""
+    """Number of key/value heads (grouped-query attention); null: n_heads."""
     head_dim: int | None = None
-    """Width of one attention head; None means d_model // n_heads."""
+    """Width of one attention head; null: d_model // n_heads."""
     d_ff: int | None = None
-    """Hidden width of the SwiGLU MLP; None means 8/3 * d_model rounded up to a multiple of 32."""
+    """Hidden width of the SwiGLU MLP; null: 8/3 * d_model rounded up to a multiple of 32."""
     window: int | None = None
     """Sliding attention window (each token sees at most this many most recent tokens); None: full causal."""
     rope_theta: float = 10000.0
@@ -57,46 +58,44 @@ class TransformerConfig:
     """Use the embedding matrix as the output head."""
     qkv_bias: bool = False
     """Give the q, k and v projections a bias (Qwen2 style)."""
-    attention: str = "flashbob"
+    attention: AttentionBackend = AttentionBackend.flashbob
     """Attention backend: flashbob (FlashBoB kernels on CUDA), eager (plain PyTorch) or sdpa_math."""
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"model.{name} must be a positive int, got {getattr(self, name)}")
-        if self.kv_heads < 1 or self.n_heads % self.kv_heads != 0:
-            raise ValueError(
-                f"model.n_kv_heads must divide model.n_heads ({self.n_heads}), got {self.n_kv_heads}"
-            )
         if self.head_dim is None and self.d_model % self.n_heads != 0:
             raise ValueError(
                 f"model.d_model ({self.d_model}) must be a multiple of model.n_heads ({self.n_heads}) "
                 "unless model.head_dim is set"
             )
-        if self.head_size < 2 or self.head_size % 2 != 0:
-            raise ValueError(f"model.head_dim must be an even int >= 2 (RoPE), got {self.head_size}")
-        if self.ff_size < 1:
-            raise ValueError(f"model.d_ff must be a positive int, got {self.d_ff}")
+        n_kv_heads, head_dim, d_ff = self._sizes()
+        if n_kv_heads < 1 or self.n_heads % n_kv_heads != 0:
+            raise ValueError(f"model.n_kv_heads must divide model.n_heads ({self.n_heads}), got {n_kv_heads}")
+        if head_dim < 2 or head_dim % 2 != 0:
+            raise ValueError(f"model.head_dim must be an even int >= 2 (RoPE), got {head_dim}")
+        if d_ff < 1:
+            raise ValueError(f"model.d_ff must be a positive int, got {d_ff}")
         if self.window is not None and self.window < 1:
             raise ValueError(f"model.window must be a positive int or null, got {self.window}")
         if self.rope_theta <= 0 or self.norm_eps <= 0:
             raise ValueError("model.rope_theta and model.norm_eps must be positive")
-        check_attention_backend(self.attention)
+        self.attention = AttentionBackend.parse(self.attention, "model.attention")
 
-    @property
-    def kv_heads(self) -> int:
-        """Key/value heads in use: n_kv_heads, or n_heads when unset."""
-        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+    def _sizes(self) -> tuple[int, int, int]:
+        """(n_kv_heads, head_dim, d_ff), each its field or, when null, its default."""
+        return (
+            self.n_heads if self.n_kv_heads is None else self.n_kv_heads,
+            self.d_model // self.n_heads if self.head_dim is None else self.head_dim,
+            32 * math.ceil(8 * self.d_model / 3 / 32) if self.d_ff is None else self.d_ff,
+        )
 
-    @property
-    def head_size(self) -> int:
-        """Head width in use: head_dim, or d_model // n_heads when unset."""
-        return self.d_model // self.n_heads if self.head_dim is None else self.head_dim
-
-    @property
-    def ff_size(self) -> int:
-        """SwiGLU hidden width in use: d_ff, or 8/3 * d_model rounded up to a multiple of 32 when unset."""
-        return 32 * math.ceil(8 * self.d_model / 3 / 32) if self.d_ff is None else self.d_ff
+    def resolved(self) -> TransformerConfig:
+        """A copy with n_kv_heads, head_dim and d_ff filled in where null: the sizes `Transformer`
+        builds (its `cfg`). The config itself keeps null, so that a null d_ff follows a new d_model."""
+        n_kv_heads, head_dim, d_ff = self._sizes()
+        return dataclasses.replace(self, n_kv_heads=n_kv_heads, head_dim=head_dim, d_ff=d_ff)
 
 
 class RMSNorm(nn.Module):
@@ -147,11 +146,11 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
-        self.cfg = cfg
-        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_size, bias=cfg.qkv_bias)
-        self.wk = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_size, bias=cfg.qkv_bias)
-        self.wv = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_size, bias=cfg.qkv_bias)
-        self.wo = nn.Linear(cfg.n_heads * cfg.head_size, cfg.d_model, bias=False)
+        self.cfg = cfg = cfg.resolved()
+        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         q, k, v = self.project_qkv(x, cos, sin)
@@ -159,13 +158,13 @@ class Attention(nn.Module):
         return self.project_out(out)
 
     def project_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """x (B, N, d) -> q (B, n_heads, N, head_dim) and k, v (B, kv_heads, N, head_dim), RoPE applied
+        """x (B, N, d) -> q (B, n_heads, N, head_dim) and k, v (B, n_kv_heads, N, head_dim), RoPE applied
         to q and k with the tables cos, sin (N, head_dim)."""
         batch, seq, _ = x.shape
         cfg = self.cfg
-        q = project(self.wq, x).view(batch, seq, cfg.n_heads, cfg.head_size).transpose(1, 2)
-        k = project(self.wk, x).view(batch, seq, cfg.kv_heads, cfg.head_size).transpose(1, 2)
-        v = project(self.wv, x).view(batch, seq, cfg.kv_heads, cfg.head_size).transpose(1, 2)
+        q = project(self.wq, x).view(batch, seq, cfg.n_heads, cfg.head_dim).transpose(1, 2)
+        k = project(self.wk, x).view(batch, seq, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
+        v = project(self.wv, x).view(batch, seq, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def project_out(self, out: torch.Tensor) -> torch.Tensor:
@@ -192,10 +191,11 @@ class Block(nn.Module):
 
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
+        cfg = cfg.resolved()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg.d_model, cfg.ff_size)
+        self.mlp = SwiGLU(cfg.d_model, cfg.d_ff)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)
@@ -207,7 +207,7 @@ class Transformer(nn.Module):
 
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
-        self.cfg = cfg
+        self.cfg = cfg = cfg.resolved()
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
@@ -232,7 +232,7 @@ class Transformer(nn.Module):
             raise ValueError(
                 f"tokens must be a (batch, seq) int64 tensor, got {tuple(tokens.shape)} {tokens.dtype}"
             )
-        cos, sin = rope_cos_sin(tokens.shape[1], self.cfg.head_size, self.cfg.rope_theta, tokens.device)
+        cos, sin = rope_cos_sin(tokens.shape[1], self.cfg.head_dim, self.cfg.rope_theta, tokens.device)
         x = self.embed(tokens)
         for layer in self.layers:
             x = layer(x, cos, sin)

@@ -8,7 +8,7 @@ its parameters:
 Each is called once to warm up (Triton compilation), then timed `repeats` times (median seconds, CUDA
 synchronised). Peak memory: torch.cuda.max_memory_allocated over one call (reset just before; the
 parameters and tokens are in it); off CUDA, the parameters plus the peak of
-`ttt.experiments.live_bytes.LiveTensorMeter` over one untimed call. Out of memory is a status, not an
+`ttt.experiments.memory_meters.LiveTensorMeter` over one untimed call. Out of memory is a status, not an
 exception, so a sweep over growing contexts can record where each backend stops.
 """
 
@@ -23,9 +23,9 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from ttt.experiments.live_bytes import LiveTensorMeter
+from ttt.experiments.memory_meters import LiveTensorMeter
 from ttt.experiments.meta_step_probe import is_out_of_memory
-from ttt.models.attention import check_attention_backend
+from ttt.models.attention import AttentionBackend
 from ttt.models.transformer import Attention, Transformer
 
 from .hvp import hvp, module_loss_fn, rademacher_like
@@ -36,7 +36,7 @@ GIB = 2**30
 @contextmanager
 def attention_backend(model: Transformer, backend: str) -> Iterator[None]:
     """Run every attention layer of `model` through `backend` inside the block; restored after."""
-    check_attention_backend(backend)
+    backend = AttentionBackend.parse(backend, "backend")
     configs = {id(m.cfg): m.cfg for m in model.modules() if isinstance(m, Attention)}
     previous = {key: cfg.attention for key, cfg in configs.items()}
     try:
@@ -111,7 +111,7 @@ def measure_hvp(
     """
     if not isinstance(model, Transformer):
         raise TypeError(f"model must be a ttt.models.Transformer, got {type(model).__name__}")
-    check_attention_backend(backend)
+    backend = AttentionBackend.parse(backend, "backend")
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be a positive int, got {repeats!r}")
     device = next(model.parameters()).device

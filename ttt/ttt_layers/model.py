@@ -60,7 +60,7 @@ class TTTTransformer(nn.Module):
             raise ValueError(f"ttt.suffix_len ({ttt.suffix_len}) must be <= model.n_layers ({cfg.n_layers})")
         self.cfg, self.ttt_cfg, self.inner_cfg = cfg, ttt, inner
         self.first_suffix = cfg.n_layers - ttt.suffix_len
-        hidden = (ttt.extra_mlp_hidden or cfg.ff_size) if ttt.extra_mlp else None
+        hidden = (ttt.extra_mlp_hidden or cfg.d_ff) if ttt.extra_mlp else None
         self.embed, self.norm, self.lm_head = base.embed, base.norm, base.lm_head
         self.layers = nn.ModuleList(
             [
@@ -163,7 +163,7 @@ class TTTTransformer(nn.Module):
         create_graph = outer_grad and not (self.inner_cfg.first_order if first_order is None else first_order)
         if steps and not torch.is_grad_enabled():
             raise RuntimeError("test-time training needs grad mode: wrap evaluation in torch.enable_grad()")
-        cos, sin = rope_cos_sin(n, self.cfg.head_size, self.cfg.rope_theta, tokens.device)
+        cos, sin = rope_cos_sin(n, self.cfg.head_dim, self.cfg.rope_theta, tokens.device)
         with torch.set_grad_enabled(outer_grad and torch.is_grad_enabled()):
             hidden = self.embed(tokens)
             for block in self.layers[: self.first_suffix]:

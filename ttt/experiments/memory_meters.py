@@ -1,10 +1,19 @@
-"""`SavedTensorMeter`: live and peak bytes of the tensors autograd keeps for backward, on any device.
+"""Two meters of the memory a meta step uses, for `meta_step_probe`.
+
+`SavedTensorMeter`: live and peak bytes of the tensors autograd keeps for backward, on any device.
 
 Every tensor an autograd node saves (`ctx.save_for_backward`, the inputs of a matmul, ...) passes
 through a pack hook; the meter counts each storage once while any node still holds it, so the peak
 is the activation memory of a meta step as the back-of-envelope model counts it: no allocator
 slack, no transient buffers, no gradients. Inside `torch.utils.checkpoint` regions the checkpoint's
 own hooks take over, so recomputed activations are (correctly) not counted there.
+
+`LiveTensorMeter`: peak bytes of all tensors alive during a block, for devices without allocator
+statistics (the CPU); on CUDA the experiment reads `torch.cuda.max_memory_allocated` instead.
+
+A TorchDispatchMode sees every aten op the block runs (autograd's backward ops included) and counts
+the storage of each output once, until that storage is freed. Tensors that existed before the block
+are not counted (add them yourself); buffers an op allocates and frees internally are not seen.
 """
 
 from __future__ import annotations
@@ -12,6 +21,8 @@ from __future__ import annotations
 import weakref
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 
 class _Held:
@@ -65,3 +76,37 @@ class SavedTensorMeter:
 
     def __exit__(self, *exc) -> None:
         self._hooks.__exit__(*exc)
+
+
+class LiveTensorMeter(TorchDispatchMode):
+    """Context manager: `with LiveTensorMeter() as meter: ...; meter.peak_bytes`.
+
+    live_bytes: bytes of the storages created in the block and not yet freed.
+    peak_bytes: maximum of live_bytes since entering.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self._sizes: dict[int, int] = {}
+
+    def _track(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        key, nbytes = storage.data_ptr(), storage.nbytes()
+        if nbytes == 0 or key in self._sizes:
+            return
+        self._sizes[key] = nbytes
+        self.live_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        weakref.finalize(storage, self._free, key)
+
+    def _free(self, key: int) -> None:
+        self.live_bytes -= self._sizes.pop(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for leaf in tree_leaves(out):
+            if isinstance(leaf, torch.Tensor):
+                self._track(leaf)
+        return out
