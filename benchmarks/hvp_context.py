@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -100,12 +99,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     )
     torch.manual_seed(0)
     model = Transformer(cfg).to(device=device, dtype=DTYPES[args.dtype])
-    env = describe(device, "benchmarks/hvp_context.py")
-    env["command"] = " ".join(["python benchmarks/hvp_context.py", *(sys.argv[1:] if argv is None else argv)])
+    env = describe(device, "benchmarks/hvp_context.py", argv)
     meta = {
         "env": env,
-        "model": f"d_model {cfg.d_model}, {cfg.n_layers} layers, {cfg.n_heads}/{cfg.kv_heads} heads, "
-        f"d_ff {cfg.ff_size}, vocab {cfg.vocab_size}",
+        "model": f"d_model {cfg.d_model}, {cfg.n_layers} layers, {cfg.n_heads}/{cfg.n_kv_heads} heads, "
+        f"d_ff {cfg.d_ff}, vocab {cfg.vocab_size}",
         "params": sum(p.numel() for p in model.parameters()),
         "dtype": args.dtype,
         "batch": args.batch,
