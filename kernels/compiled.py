@@ -21,7 +21,7 @@ DOUBLE_BACKWARD_ERROR = (
 @torch.library.custom_op("flashbob::attention_forward", mutates_args=())
 def attention_forward_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, window: int | None, scale: float,
-    fp32_precision: str | None,
+    fp32_precision: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q: (B, Hq, N, D); k, v: (B, Hkv, M, D). Returns out (B, Hq, N, D) and lse (B, Hq, N) float32."""
     return triton_ops.forward(
@@ -30,14 +30,14 @@ def attention_forward_op(
 
 
 @attention_forward_op.register_fake
-def _(q, k, v, causal, window, scale, fp32_precision):
+def _(q, k, v, causal, window, scale, fp32_precision=None):
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.custom_op("flashbob::attention_backward", mutates_args=())
 def attention_backward_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-    dout: torch.Tensor, causal: bool, window: int | None, scale: float, fp32_precision: str | None,
+    dout: torch.Tensor, causal: bool, window: int | None, scale: float, fp32_precision: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """First backward. Returns (dq, dk, dv) shaped like (q, k, v)."""
     return triton_ops.backward(
@@ -46,7 +46,7 @@ def attention_backward_op(
 
 
 @attention_backward_op.register_fake
-def _(q, k, v, out, lse, dout, causal, window, scale, fp32_precision):
+def _(q, k, v, out, lse, dout, causal, window, scale, fp32_precision=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
