@@ -11,6 +11,9 @@ BACKENDS = ("auto", "triton", "torch")
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 TORCH_DTYPES = (*TRITON_DTYPES, torch.float64)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 8, 256
+INTERPRETER_WRONG_DTYPES = (torch.bfloat16,)
+"""Dtypes that Triton's CPU interpreter computes wrongly (triton 3.6: bf16 gives values near 8e8 where
+the answer is near 3.5); refused there, fine on CUDA."""
 FP32_PRECISIONS = ("ieee", "tf32x3", "tf32")
 DEFAULT_FP32_PRECISION = "ieee"
 """The products of float32 inputs on the Triton path (fp32_precision=None), until the H200
@@ -87,6 +90,12 @@ def check_attention_args(
             raise ValueError(
                 f"backend='triton' needs CUDA tensors (or CPU tensors with TRITON_INTERPRET=1 set before "
                 f"kernels is imported), got device {q.device}; use backend='torch' on the CPU"
+            )
+        if q.device.type == "cpu" and q.dtype in INTERPRETER_WRONG_DTYPES:
+            raise TypeError(
+                f"backend='triton' with {q.dtype} inputs on the CPU runs in Triton's interpreter "
+                "(TRITON_INTERPRET=1), whose bfloat16 arithmetic is wrong (results off by orders of "
+                "magnitude, silently); use float16 or float32 inputs there, or backend='torch'"
             )
     return float(scale), backend
 

@@ -69,7 +69,7 @@ def build(cfg: Config) -> tuple[ContextLearner, TaskDataModule]:
         model,
         cfg.inner,
         cfg.optim,
-        cfg.trainer.max_steps,
+        cfg.schedule_steps,
         context_len=cfg.task.context_len,
         chunks=cfg.context,
     )

@@ -49,7 +49,7 @@ def build_data(cfg: Config, tokenizer) -> TaskDataModule:
 def build_learner(cfg: Config, model: TTTTransformer, tokenizer) -> TTTLanguageLearner:
     """The Lightning module that meta-trains `model` with cfg's outer optimizer and evaluation."""
     return TTTLanguageLearner(
-        model, cfg.optim, cfg.trainer.max_steps, evaluation=cfg.eval, tokenizer=tokenizer, seed=cfg.seed
+        model, cfg.optim, cfg.schedule_steps, evaluation=cfg.eval, tokenizer=tokenizer, seed=cfg.seed
     )
 
 

@@ -4,13 +4,16 @@ converted model starts as the checkpoint with a window) and meta-fine-tune it on
 
 The presets in configs/pretrained/ give each well-known checkpoint's architecture and the TTT
 settings that suit it; model.checkpoint=/path/to/dir loads the weights, and the checkpoint's
-config.json must describe the preset's architecture. Without a checkpoint the architecture is
-initialised at random (smoke tests, memory and time measurements).
+config.json must describe the preset's architecture. Random weights of the architecture (smoke tests,
+memory and time measurements) are built only on request, model.random_weights=true: a null checkpoint
+is otherwise an error (a 16K preset on random weights is no fine-tuning, and on the CPU it runs until
+the machine's memory is gone).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ttt.config import RecipeConfig
 from ttt.inner import InnerLoopConfig
@@ -36,9 +39,20 @@ class PretrainedConfig:
     """A pretrained checkpoint and the architecture it must have."""
 
     checkpoint: str | None = None
-    """Hugging Face-format directory (config.json + safetensors); null: random weights of the architecture."""
+    """Hugging Face-format directory (config.json + safetensors); null: random weights, only with
+    model.random_weights=true."""
+    random_weights: bool = False
+    """With model.checkpoint=null, build the architecture with random weights (smoke tests, memory and
+    time measurements); false: a null checkpoint is an error."""
     architecture: TransformerConfig = field(default_factory=TransformerConfig)
     """The checkpoint's architecture, with the attention backend and sliding window to run it with."""
+
+    def __post_init__(self):
+        if self.checkpoint is not None and not Path(self.checkpoint).is_dir():
+            raise ValueError(
+                f"model.checkpoint={self.checkpoint!r}: no such directory (expected a Hugging Face-format "
+                "checkpoint directory holding config.json and model.safetensors)"
+            )
 
 
 @dataclass
@@ -64,6 +78,12 @@ def load_base_model(cfg: PretrainedConfig) -> Transformer:
     architecture; a random model of the architecture when cfg.checkpoint is null."""
     arch = cfg.architecture
     if cfg.checkpoint is None:
+        if not cfg.random_weights:
+            raise ValueError(
+                "model.checkpoint is null: give model.checkpoint=/path/to/dir (a Hugging Face-format "
+                "checkpoint of model.architecture), or model.random_weights=true to build the architecture "
+                "with random weights (for smoke tests and measurements; the 16K presets need a GPU)"
+            )
         return Transformer(arch)
     model = from_pretrained(cfg.checkpoint, attention=arch.attention, window=arch.window)
     preset = arch.resolved()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import textwrap
 import time
 import warnings
 from datetime import timedelta
@@ -18,31 +19,45 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
+import yaml
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from ttt.config import ConfigError, RecipeConfig, available_recipes, load_config, to_yaml
+from ttt.config.keys import format_config_keys
 from ttt.config.loading import recipe_header
 from ttt.tracking import (
     AtomicCheckpointIO,
+    CheckpointError,
+    DivergenceError,
+    DivergenceGuard,
     EpochEndCheckpoint,
+    LogStepAlignment,
     OuterStepTimer,
     RunPaths,
     atomic_write_text,
+    check_resumable,
     format_summary_table,
+    load_checkpoint,
     new_run_dir,
     resolve_resume,
+    write_run_report,
     write_summary,
 )
 
 USAGE = """\
 usage: python -m ttt.train recipe=NAME [key=value ...]
+       python -m ttt.train recipe=NAME --help     every key of recipe NAME: type, value, doc
 
 Meta-trains recipe NAME (configs/NAME.yaml), evaluates it on held-out tasks, prints a summary
 table and writes the run directory <run.root>/<run.name>/ (config.yaml, logs/, checkpoints/,
-summary.json).
+summary.json, training_curves.png, test_adapted_vs_unadapted.png). A NaN or infinite loss stops
+the run (exit status 3) with the step, the loss and the keys to look at; the last good checkpoint
+is kept.
 
 Overrides are OmegaConf dotlist items, applied on top of the recipe's YAML, e.g.
     trainer.max_steps=50  model.attention=eager  inner.params=[layers.1.mlp.*]  run.name=try1
@@ -51,7 +66,11 @@ Unknown keys and invalid values are errors that say what is valid.
 Special keys
     print_config=true      print the resolved config and exit
     resume=PATH            continue a run (its directory or a checkpoint file); its saved config
-                           is used, with any other overrides applied (e.g. a larger max_steps)
+                           is used, with any other overrides applied (e.g. a larger max_steps).
+                           Nothing in the run directory changes unless the checkpoint fits the
+                           model built from that config. Extending a run (a larger
+                           trainer.max_steps) keeps its lr schedule (optim.schedule_steps): past
+                           the schedule's end the lr stays at its final value, with no jump
     seed=N                 seed of model init and task streams
 
 Recipes
@@ -68,6 +87,21 @@ def usage() -> str:
     return USAGE.format(recipes="\n".join(lines))
 
 
+def recipe_usage(argv: list[str]) -> str:
+    """The --help text of `recipe=NAME [key=value ...]`: the recipe's header, then every config key with
+    its type, its value in this recipe (after the overrides) and its doc."""
+    cfg = load_config([item for item in argv if item not in HELP_FLAGS])
+    header = recipe_header(available_recipes()[cfg.recipe])
+    return (
+        f"recipe {cfg.recipe}\n\n{textwrap.indent(header, '    ')}\n\n"
+        f"Keys (key: type = value in this recipe, then its doc); override any with key=value\n"
+        f"{format_config_keys(cfg)}"
+    )
+
+
+HELP_FLAGS = ("-h", "--help", "help")
+
+
 def _split_resume(argv: list[str]) -> tuple[str | None, list[str]]:
     resume = [item.split("=", 1)[1] for item in argv if item.startswith("resume=")]
     rest = [item for item in argv if not item.startswith("resume=")]
@@ -82,7 +116,16 @@ def prepare(argv: list[str]) -> tuple[RecipeConfig, RunPaths | None, Path | None
     if resume is None:
         return load_config(overrides), None, None
     paths, checkpoint = resolve_resume(resume)
-    cfg = load_config(overrides, base=OmegaConf.load(paths.config))
+    try:
+        saved = OmegaConf.load(paths.config)
+    except (OSError, ValueError, OmegaConfBaseException, yaml.YAMLError) as err:
+        raise ConfigError(
+            f"resume={resume}: the run's {paths.config} is not readable YAML ({err}); it is written "
+            "atomically, so it was edited outside the run: restore it"
+        ) from err
+    if OmegaConf.select(saved, "optim.schedule_steps") is None:  # a run from before the key existed
+        OmegaConf.update(saved, "optim.schedule_steps", OmegaConf.select(saved, "trainer.max_steps"))
+    cfg = load_config(overrides, base=saved)
     cfg.resume = resume
     return cfg, paths, checkpoint
 
@@ -116,6 +159,23 @@ UNUSED_PARAMETERS_HINT = (
 )
 
 
+def check_accelerator(cfg: RecipeConfig) -> None:
+    """Raise ConfigError when trainer.accelerator asks for GPUs this machine does not have (before the
+    run directory exists, rather than Lightning's error after it)."""
+    tc = cfg.trainer
+    if tc.accelerator not in ("gpu", "cuda"):
+        return
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            f"trainer.accelerator={tc.accelerator} but this machine has no CUDA GPU that PyTorch can use "
+            "(torch.cuda.is_available() is False): use trainer.accelerator=cpu, or auto"
+        )
+    if tc.devices > torch.cuda.device_count():
+        raise ConfigError(
+            f"trainer.devices={tc.devices} but this machine has {torch.cuda.device_count()} CUDA GPUs"
+        )
+
+
 def make_trainer(cfg: RecipeConfig, paths: RunPaths, timer: OuterStepTimer) -> pl.Trainer:
     """The Lightning Trainer of a run: epochs of trainer.steps_per_epoch outer steps, validation and
     an atomic last.ckpt after each epoch, CSV (and TensorBoard) logs in the run directory. With
@@ -141,11 +201,18 @@ def make_trainer(cfg: RecipeConfig, paths: RunPaths, timer: OuterStepTimer) -> p
         precision=tc.precision,
         inference_mode=False,
         logger=loggers,
-        callbacks=[EpochEndCheckpoint(paths.last_checkpoint), timer],
+        # The guard runs before the checkpoint callback: a diverged epoch end raises before it is saved.
+        callbacks=[
+            DivergenceGuard(paths.last_checkpoint),
+            EpochEndCheckpoint(paths.last_checkpoint),
+            LogStepAlignment(),
+            timer,
+        ],
+        detect_anomaly=tc.detect_anomaly,
         enable_checkpointing=False,
         plugins=[AtomicCheckpointIO()],
         log_every_n_steps=tc.log_every_n_steps,
-        enable_progress_bar=tc.progress_bar,
+        enable_progress_bar=tc.progress_bar and sys.stdout.isatty(),
         num_sanity_val_steps=0,
         limit_val_batches=1.0 if tc.val_tasks else 0,
         default_root_dir=paths.root,
@@ -166,8 +233,15 @@ def run(
     from recipes import load_builder
 
     start = time.perf_counter()
+    check_accelerator(cfg)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
-    module, data = load_builder(cfg.builder).build(cfg)
+    try:
+        module, data = load_builder(cfg.builder).build(cfg)
+    except (ValueError, FileNotFoundError) as err:  # builders name the bad key in these
+        raise ConfigError(f"recipe {cfg.recipe}: {err}") from err
+    if checkpoint is not None:
+        # Everything that can fail about the checkpoint fails here, before the run directory is touched.
+        check_resumable(load_checkpoint(checkpoint, mmap=True), checkpoint, module.state_dict())
     if paths is None:
         paths = run_paths(cfg)
     if rank_zero_only.rank == 0:
@@ -196,15 +270,27 @@ def run(
     )
     if trainer.is_global_zero:
         write_summary(paths.summary, summary)
+        write_run_report(paths.root, summary)
     return summary
+
+
+DIVERGED = 3
+"""Exit status of a run stopped by a non-finite loss (2: bad command line or config)."""
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `python -m ttt.train` and `ttt-train`; returns the exit status."""
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or any(item in ("-h", "--help", "help") for item in argv):
-        print(usage())
-        return 0 if argv else 2
+    if not argv or any(item in HELP_FLAGS for item in argv):
+        if not any(item.startswith("recipe=") for item in argv):
+            print(usage())
+            return 0 if argv else 2
+        try:
+            print(recipe_usage(argv))
+        except ConfigError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        return 0
     try:
         cfg, paths, checkpoint = prepare(argv)
     except (ConfigError, FileNotFoundError) as err:
@@ -217,9 +303,12 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
     try:
         summary = run(cfg, paths=paths, checkpoint=checkpoint)
-    except FileExistsError as err:
+    except (ConfigError, FileExistsError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except DivergenceError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return DIVERGED
     except RuntimeError as err:
         if UNUSED_PARAMETERS_ERROR not in str(err):
             raise

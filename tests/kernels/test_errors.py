@@ -61,3 +61,19 @@ def test_stage_inputs_are_checked():
         kernels.attention_bob(q, k, v, out, lse, q, q, u_k=torch.randn(1, 2, 3, 16))
     with pytest.raises(TypeError, match="u_v must have dtype"):
         kernels.attention_bob(q, k, v, out, lse, q, q, u_v=v.double())
+
+
+@pytest.mark.skipif(
+    not kernels.validation.triton_interpreter_enabled(), reason="CPU tensors reach Triton only interpreted"
+)
+def test_bf16_in_the_triton_interpreter_is_refused():
+    """Triton's CPU interpreter gets bf16 wrong (values near 8e8 for answers near 3.5): refused, by dtype."""
+    q, k, v = qkv(dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=r"torch\.bfloat16.*interpreter.*float16 or float32.*backend='torch'"):
+        kernels.flash_attention(q, k, v, backend="triton")
+    torch.testing.assert_close(
+        kernels.flash_attention(q, k, v, backend="torch").float(),
+        kernels.flash_attention(q.float(), k.float(), v.float(), backend="torch"),
+        atol=3e-2,
+        rtol=3e-2,
+    )

@@ -88,3 +88,14 @@ def test_ttt_e2e_config_errors_name_the_key(tiny_ttt_e2e):
         load_config([*tiny_ttt_e2e, "ttt.sequences_per_pass=0"])
     with pytest.raises(ValueError, match="did you mean 'suffix_len'"):
         load_config([*tiny_ttt_e2e, "ttt.sufix_len=2"])
+
+
+def test_ttt_divergence_names_the_pass_and_stops(tiny_ttt_e2e, tmp_path, capsys):
+    from ttt.train import DIVERGED
+
+    diverging = ["run.name=nan", "inner.lr=1e30", "inner.grad_clip=null", "ttt.sequences_per_pass=1"]
+    assert main([*tiny_ttt_e2e, *diverging]) == DIVERGED
+    err = capsys.readouterr().err
+    assert "diverged at outer step" in err and "train/loss = " in err and "inner.lr" in err
+    assert "loss non-finite in" in err and "passes" in err
+    assert not (tmp_path / "runs" / "nan" / "checkpoints" / "last.ckpt").exists()

@@ -185,7 +185,9 @@ def load_config(overrides: list[str], *, base: DictConfig | None = None) -> Reci
     schema_class = _recipe_schema(builder, Path(source))
     if cli.get("builder", builder) != builder:
         raise ConfigError(f"builder cannot be overridden (the recipe uses {builder!r})")
-    return load_structured(schema_class, [(base, source), (cli, "command line")])
+    cfg = load_structured(schema_class, [(base, source), (cli, "command line")])
+    cfg.optim.schedule_steps = cfg.schedule_steps  # the horizon stays with the run (see its doc)
+    return cfg
 
 
 def _plain(value: Any) -> Any:

@@ -7,6 +7,7 @@ the YAML comments); every section validates itself in __post_init__ and names th
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from .choice import Choice
@@ -97,14 +98,20 @@ class OuterOptimConfig:
     """Linear warm-up from 0 over this many outer steps."""
     min_lr_ratio: float = 0.1
     """Final learning rate of cosine and linear schedules, as a fraction of lr."""
+    schedule_steps: int | None = None
+    """Outer steps the schedule spans (warm-up and decay); null: the first session's trainer.max_steps
+    (filled in when the config is loaded, so the run's config.yaml keeps it). A resume with a larger
+    trainer.max_steps keeps this schedule: past its end the lr stays at its final value (min_lr_ratio *
+    lr; constant: lr), without a jump. optim.schedule_steps=N on resume re-plans the decay over N steps
+    (the lr then moves to the new schedule's value at the current step)."""
     hessian_update_interval: int = 10
     """sophia_h, adahessian: steps between Hessian-diagonal estimates (the first step has one)."""
 
     def __post_init__(self):
         self.name = OuterOptimizer.parse(self.name, "optim.name")
         self.scheduler = Scheduler.parse(self.scheduler, "optim.scheduler")
-        if self.lr <= 0:
-            raise ValueError(f"optim.lr must be > 0, got {self.lr}")
+        if not 0 < self.lr < math.inf:
+            raise ValueError(f"optim.lr must be a positive finite float, got {self.lr}")
         if self.weight_decay < 0:
             raise ValueError(f"optim.weight_decay must be >= 0, got {self.weight_decay}")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
@@ -115,6 +122,8 @@ class OuterOptimConfig:
             raise ValueError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.schedule_steps is not None and self.schedule_steps < 1:
+            raise ValueError(f"optim.schedule_steps must be >= 1 or null, got {self.schedule_steps}")
         if self.hessian_update_interval < 1:
             raise ValueError(
                 f"optim.hessian_update_interval must be >= 1, got {self.hessian_update_interval}"
@@ -153,7 +162,10 @@ class TrainerConfig:
     log_every_n_steps: int = 10
     """Write training metrics every this many outer steps."""
     progress_bar: bool = True
-    """Show Lightning's progress bar."""
+    """Show Lightning's progress bar (only when stdout is a terminal: logs redirected to a file get none)."""
+    detect_anomaly: bool = False
+    """Run under torch.autograd's anomaly detection (Lightning's detect_anomaly): the error of a NaN
+    names the operation that produced it. Slow; for finding where a run diverged."""
     num_workers: int = 0
     """Data loader worker processes (synthetic tasks are cheap: 0 is usually best)."""
 
@@ -219,3 +231,8 @@ class RecipeConfig:
     """Outer loop and Lightning Trainer options."""
     run: RunConfig = field(default_factory=RunConfig)
     """Run directory and logging."""
+
+    @property
+    def schedule_steps(self) -> int:
+        """Outer steps of the lr schedule: optim.schedule_steps, else trainer.max_steps."""
+        return self.trainer.max_steps if self.optim.schedule_steps is None else self.optim.schedule_steps

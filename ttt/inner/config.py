@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ttt.config.choice import Choice
@@ -61,6 +62,11 @@ class InnerLoopConfig:
             raise ValueError(f"inner.steps must be >= 0, got {self.steps}")
         if self.eval_steps is not None and self.eval_steps < 0:
             raise ValueError(f"inner.eval_steps must be >= 0 or null, got {self.eval_steps}")
+        if not 0 < self.lr < math.inf:
+            raise ValueError(
+                f"inner.lr must be a positive finite float, got {self.lr} (zero does not adapt, a "
+                "negative lr ascends the inner loss)"
+            )
         self.optimizer = InnerOptimizer.parse(self.optimizer, "inner.optimizer")
         self.learnable_lr = LearnableLR.parse(self.learnable_lr, "inner.learnable_lr")
         if not 0 <= self.momentum < 1:

@@ -65,24 +65,27 @@ class OuterLearner(pl.LightningModule):
         """Items (tasks or sequences) in a batch: the leading size of its tensors."""
         return len(next(iter(batch.values())))
 
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, Any]:
         optimizer, scheduler = self.optimizers(), self.lr_schedulers()
         passes, batch_size = self.split_passes(batch), self.batch_size(batch)
         optimizer.zero_grad()
         backward = task_backward(self, optimizer, len(passes))  # DDP: one all-reduce per outer step
         totals: dict[str, torch.Tensor] = {}
+        per_pass: dict[str, list[torch.Tensor]] = {}
         for batch_pass in passes:  # one pass's graph alive at a time
             loss, metrics = self.pass_loss(batch_pass, batch_size)
             backward(loss)
             for name, value in metrics.items():
                 totals[name] = totals[name] + value if name in totals else value
+                per_pass.setdefault(name, []).append(torch.as_tensor(value).detach())
         lr = outer_update(self, optimizer, scheduler, self.optim_cfg)
         logged = {f"train/{name}": value for name, value in totals.items()}
         logged.update({"train/lr": lr, **{f"train/{k}": v for k, v in self.step_metrics().items()}})
         self.log_dict(logged, batch_size=batch_size, sync_dist=True)
         progress = totals[self.progress_metric]
         self.log(self.progress_metric, progress, prog_bar=True, logger=False, batch_size=batch_size)
-        return progress
+        # Each pass's metrics (P,): the divergence guard (ttt.tracking) names the pass that went non-finite.
+        return {"loss": progress, "pass_metrics": {name: torch.stack(v) for name, v in per_pass.items()}}
 
     def log_evaluation(self, stage: str, metrics: dict[str, torch.Tensor], batch_size: int) -> None:
         """Log held-out metrics as <stage>/<name>, averaged over batches and processes."""

@@ -9,20 +9,18 @@ training)."""
 from __future__ import annotations
 
 import csv
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import matplotlib
 import numpy as np
 import torch
 
+from ttt.tracking.report import new_figure, save_figure
+from ttt.tracking.summary import strict_json
+
 from .passkey import sample_passkey
 from .tokenizer import Tokenizer
-
-matplotlib.use("Agg")
-from matplotlib import pyplot as plt  # noqa: E402  (after choosing the file-only backend)
 
 MODES = {"adapted": True, "unadapted": False}
 """Figure suffix -> whether the model adapts (test-time training on) while reading."""
@@ -100,22 +98,19 @@ def write_csv(path: Path, rows: list[dict]) -> None:
 
 def plot_loss_by_position(path: Path, curves: dict[str, list[dict[str, float]]], title: str) -> None:
     """One line per curve name: loss against the middle position of each bin."""
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, (ax,) = new_figure()
     for name, rows in curves.items():
         ax.plot(
             [(r["start"] + r["end"]) / 2 for r in rows], [r["loss"] for r in rows], marker="o", label=name
         )
     ax.set(xlabel="token position", ylabel="next-token loss (nats)", title=title)
-    ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_passkey(path: Path, rows: list[dict[str, float]]) -> None:
     """Exact passkey accuracy against context length, with and without test-time training."""
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, (ax,) = new_figure()
     for mode in MODES:
         ax.plot(
             [r["length"] for r in rows], [r[f"exact_{mode}"] for r in rows], marker="o", label=f"TTT {mode}"
@@ -123,11 +118,8 @@ def plot_passkey(path: Path, rows: list[dict[str, float]]) -> None:
     ax.set(
         xlabel="context length (tokens)", ylabel="passkey exact accuracy", ylim=(-0.05, 1.05), xscale="log"
     )
-    ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def write_long_context_report(
@@ -149,7 +141,7 @@ def write_long_context_report(
         "loss_by_position_png": run_dir / "loss_by_position.png",
     }
     write_csv(files["loss_by_position_csv"], table)
-    (run_dir / "loss_by_position.json").write_text(json.dumps(position_rows, indent=2) + "\n")
+    (run_dir / "loss_by_position.json").write_text(strict_json(position_rows, indent=2) + "\n")
     plot_loss_by_position(
         files["loss_by_position_png"],
         {f"TTT {n}": rows for n, rows in position_rows.items()},

@@ -1,19 +1,30 @@
-"""Run directories, atomic files and checkpoints, outer-step timing, and the end-of-run summary."""
+"""Run directories, atomic files, checkpoints and their loader, outer-step timing, the divergence guard,
+and the end-of-run summary and figures."""
 
 from .atomic import AtomicCheckpointIO, atomic_write_text
-from .checkpointing import EpochEndCheckpoint
+from .checkpoint_file import CheckpointError, check_resumable, load_checkpoint
+from .checkpointing import EpochEndCheckpoint, LogStepAlignment
 from .directory import RunPaths, new_run_dir, resolve_resume
+from .divergence import DivergenceError, DivergenceGuard
+from .report import write_run_report
 from .summary import format_summary_table, write_summary
 from .timing import OuterStepTimer
 
 __all__ = [
     "AtomicCheckpointIO",
+    "CheckpointError",
+    "DivergenceError",
+    "DivergenceGuard",
     "EpochEndCheckpoint",
+    "LogStepAlignment",
     "OuterStepTimer",
     "RunPaths",
     "atomic_write_text",
+    "check_resumable",
     "format_summary_table",
+    "load_checkpoint",
     "new_run_dir",
     "resolve_resume",
+    "write_run_report",
     "write_summary",
 ]

@@ -1,4 +1,5 @@
-"""Files that are either completely written or not there: write a temporary file, then os.replace."""
+"""Files that are either completely written or not there: write a temporary file, then os.replace;
+and the Lightning checkpoint IO that saves that way and loads through `load_checkpoint`."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from typing import IO, Any
 import torch
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+from .checkpoint_file import load_checkpoint
 
 FILE_MODE = 0o644
 """Mode of the files written here (mkstemp would leave them readable by their owner only)."""
@@ -41,3 +44,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any = None) -> None:
         _atomic_write(Path(path), lambda handle: torch.save(checkpoint, handle))
+
+    def load_checkpoint(
+        self, path: _PATH, map_location: Any = "cpu", weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """Lightning's restore (ckpt_path) through `load_checkpoint`: tensors only, errors naming the file."""
+        return load_checkpoint(path, map_location=map_location)

@@ -62,7 +62,13 @@ def resolve_resume(target: str) -> tuple[RunPaths, Path]:
             f"resume={target!r}: expected a run directory or a checkpoint file, found nothing"
         )
     if not checkpoint.is_file():
-        raise FileNotFoundError(f"resume={target!r}: no checkpoint at {checkpoint}")
+        raise FileNotFoundError(
+            f"resume={target!r}: no checkpoint at {checkpoint} (a run writes it at its first epoch end: "
+            "one stopped before that has nothing to resume; start a new run)"
+        )
     if not paths.config.is_file():
-        raise FileNotFoundError(f"resume={target!r}: no {CONFIG_FILE} in the run directory {paths.root}")
+        raise FileNotFoundError(
+            f"resume={target!r}: no {CONFIG_FILE} in the run directory {paths.root} (a checkpoint file must "
+            f"sit in <run>/checkpoints/, next to which the run's {CONFIG_FILE} is)"
+        )
     return paths, checkpoint

@@ -1,17 +1,39 @@
-"""The end-of-run summary: `summary.json` in the run directory and a table on stdout."""
+"""The end-of-run summary: `summary.json` in the run directory and a table on stdout.
+
+summary.json is strict JSON (RFC 8259, which has no NaN or Infinity): a non-finite figure is written
+as the string "nan", "inf" or "-inf" (`strict_json`), so every JSON parser reads the file.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
 from .atomic import atomic_write_text
 
 
+def finite_or_name(value: Any) -> Any:
+    """`value` with every non-finite float, at any depth of dicts and lists, replaced by "nan", "inf"
+    or "-inf"."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {key: finite_or_name(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_name(item) for item in value]
+    return value
+
+
+def strict_json(value: Any, **dumps_kwargs: Any) -> str:
+    """json.dumps of `value` as strict JSON: non-finite floats become the strings "nan", "inf", "-inf"."""
+    return json.dumps(finite_or_name(value), allow_nan=False, **dumps_kwargs)
+
+
 def write_summary(path: Path, summary: dict[str, Any]) -> None:
-    """Write the summary dict as indented JSON, atomically."""
-    atomic_write_text(path, json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    """Write the summary dict as indented strict JSON (`strict_json`), atomically."""
+    atomic_write_text(path, strict_json(summary, indent=2, sort_keys=True) + "\n")
 
 
 def _cell(value: Any) -> str:
