@@ -112,12 +112,13 @@ def impose_limits(limits: DeviceLimits):
         _imposed.pop()
 
 
-def _cuda_default(kernel: str, bd: int) -> tuple[int, int, int, int]:
+def _cuda_default(kernel: str, bd: int, itemsize: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a CUDA launch, from the H200 sweep recorded in
     docs/kernel_notes.md (bf16, N=16384, causal, head dims 64 and 128). Four warps (one warpgroup)
-    win everywhere: eight split the row sums of a tile across warpgroups. Head dim 256 takes the
-    smallest tiles, for the registers (`cuda_config` then fits them to the device's shared memory:
-    in float32 the BoB columns kernel asked the H200 for 228 KiB at these tiles, and steps down)."""
+    win where a program owns query rows: eight split the row sums of a tile across warpgroups. Head
+    dim 256 takes the smallest tiles, for the registers (`cuda_config` then fits them to the device's
+    shared memory: in float32 the BoB columns kernel asked the H200 for 228 KiB at these tiles, and
+    steps down). itemsize: bytes per input element."""
     if bd > 128:
         return (64, 32, 4, 2) if kernel == "forward" else (32, 32, 4, 1)
     if kernel == "forward":
@@ -128,7 +129,13 @@ def _cuda_default(kernel: str, bd: int) -> tuple[int, int, int, int]:
         return (64, 64, 4, 2)
     if kernel == "bob_rows":
         return (64, 32, 4, 3) if bd <= 64 else (64, 32, 4, 2)
-    return (64, 64, 4, 2) if bd <= 64 else (32, 64, 4, 2)
+    if bd <= 64:
+        return (64, 64, 4, 2)
+    # bob_cols at head dim 128, 16-bit inputs: 128 keys per program over two warpgroups (their warps
+    # split keys, which need no cross-warp row sums) measured 7% faster causal and 4% full than 64 keys
+    # over one (H200, bf16, N=16384, commit 024a4bc, benchmarks/portable.py; docs/benchmarks.md).
+    # Float32 operands would not fit it (not measured): they keep the one-warpgroup tile.
+    return (32, 128, 8, 2) if itemsize == 2 else (32, 64, 4, 2)
 
 
 def split_bob_rows(head_dim: int) -> bool:
@@ -208,7 +215,7 @@ def cuda_config(kernel: str, head_dim: int, itemsize: int, limits: DeviceLimits,
             f"{limits.capability[0]}.{limits.capability[1]}; use backend='torch'"
         )
     bd = block_d(head_dim)
-    bm, bn, warps, stages = _cuda_default(kernel, bd)
+    bm, bn, warps, stages = _cuda_default(kernel, bd, itemsize)
     cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_D": bd, "num_warps": warps, "num_stages": stages}
     while shared_mem_estimate(kernel, cfg, itemsize, precision, **flags) > limits.max_shared_mem:
         smaller = step_down(kernel, cfg)

@@ -67,7 +67,9 @@ def test_autograd_chain_carries_the_mode_to_the_bob(mode, seen):
     out = kernels.flash_attention(q, k, v, causal=True, backend="triton", fp32_precision=mode)
     firsts = torch.autograd.grad(out, (q, k, v), dout, create_graph=True)
     bob = torch.autograd.grad(firsts, (q, k, v, dout), (u_q, u_k, u_v))
-    assert set(seen) == {mode} and len(seen) == 5, seen  # forward, 2 backward, rows (one pass), columns
+    # forward, 2 backward, rows (one pass), columns; on a GPU whose shared memory a setting exceeds, a
+    # launch is retried with a smaller one (tiling.launch), so a kernel may appear twice
+    assert set(seen) == {mode} and len(seen) >= 5, seen
     for i, (got, want) in enumerate(zip(bob, ref["bob"])):
         assert rel_err(got, want) <= TOL[mode], f"bob{i}"
 

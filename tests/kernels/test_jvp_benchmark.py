@@ -1,4 +1,4 @@
-"""The logic of benchmarks/jvp.py on the CPU: its correctness check (Triton interpreter, float32)
+"""The logic of benchmarks/jvp.py: its correctness check (float32; the Triton interpreter on the CPU)
 passes on the real kernels and stops on a wrong one, and its table reads the recorded rows."""
 
 import importlib.util
@@ -14,10 +14,11 @@ spec = importlib.util.spec_from_file_location("benchmark_jvp", PATH)
 bench = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(bench)
 SIZE = (1, 1, 23, 16)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU runs the interpreter (tests/conftest.py)
 
 
 def test_correctness_check_passes_on_the_kernels():
-    errors = bench.check_correctness("cpu", torch.float32, size=SIZE)
+    errors = bench.check_correctness(DEVICE, torch.float32, size=SIZE)
     assert set(errors) == {"out", "t_out", "g_q", "g_k", "g_v", "g_tq", "g_tk", "g_tv"}
     assert max(errors.values()) < 1e-5
 
@@ -31,7 +32,7 @@ def test_correctness_check_stops_on_a_wrong_tangent(monkeypatch):
 
     monkeypatch.setattr(triton_ops, "jvp", off_by_a_bit)
     with pytest.raises(SystemExit, match="t_out"):
-        bench.check_correctness("cpu", torch.float32, size=SIZE)
+        bench.check_correctness(DEVICE, torch.float32, size=SIZE)
 
 
 def test_table_reads_the_rows():

@@ -51,7 +51,7 @@ def test_the_h200_keeps_its_tuned_table():
             for itemsize, precision in MODES:
                 cfg = tiling.cuda_config(kernel, d, itemsize, tiling.PRESETS["h100"], precision)
                 got = (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"])
-                want = tiling._cuda_default(kernel, tiling.block_d(d))
+                want = tiling._cuda_default(kernel, tiling.block_d(d), itemsize)
                 if (kernel, tiling.block_d(d), itemsize, precision) == ("bob_cols", 256, 4, "ieee"):
                     want = (16, 32, 4, 1)
                 assert got == want, (kernel, d, itemsize, precision)
