@@ -3,7 +3,7 @@
     python benchmarks/sweep_tiles.py --n 16384 --d 64,128 --mask causal
 
 Prints one line per (kernel, settings): the stage's median milliseconds (the stage that launches the
-kernel: forward, backward or BoB), the kernel's own GPU time from the profiler, and its registers and
+kernel: forward, backward, BoB or JVP), the kernel's own GPU time from the profiler, and its registers and
 spills as compiled.
 """
 
@@ -16,7 +16,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import kernels
-from kernels import tiling
+from kernels import tiling, triton_ops
 from kernels.bench import make_inputs, parse_mask, time_ms
 
 CANDIDATES = {
@@ -27,6 +27,7 @@ CANDIDATES = {
                  # a fifth entry sets SPLIT: one launch with smaller row tiles, against the default
                  (32, 32, 4, 2, False), (32, 64, 4, 2, False), (32, 32, 4, 3, False), (32, 64, 4, 3, False)],
     "bob_cols": [(64, 64, 4, 2), (32, 64, 4, 2), (64, 128, 8, 2), (128, 64, 8, 2), (64, 32, 4, 2)],
+    "jvp": [(64, 64, 4, 2), (64, 32, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (32, 64, 4, 2)],
 }
 
 
@@ -36,6 +37,7 @@ KERNEL_NAMES = {
     "backward_q": "attention_backward_dq_kernel",
     "bob_rows": "attention_bob_rows_kernel",
     "bob_cols": "attention_bob_cols_kernel",
+    "jvp": "attention_jvp_kernel",
 }
 
 
@@ -53,9 +55,9 @@ def kernel_ms(fn, name: str, reps: int = 5) -> float:
 
 def compiled_resources(kernel_name: str) -> list[dict]:
     """Registers and spills of every compiled variant of a kernel (empty if Triton hides them)."""
-    from kernels import _backward, _bob, _forward
+    from kernels import _backward, _bob, _forward, _jvp
 
-    for module in (_forward, _backward, _bob):
+    for module in (_forward, _backward, _bob, _jvp):
         fn = getattr(module, kernel_name, None)
         if fn is None:
             continue
@@ -90,9 +92,10 @@ def sweep_head_dim(args, d: int) -> None:
         "forward": lambda: kernels.attention_forward(q, k, v, **opts),
         "backward": lambda: kernels.attention_backward(q, k, v, out, lse, dout, **opts),
         "bob": lambda: kernels.attention_bob(q, k, v, out, lse, dout, dq, u_q, u_k, u_v, **opts),
+        "jvp": lambda: triton_ops.jvp(q, k, v, u_q, u_k, u_v, causal=causal, window=window, scale=d**-0.5),
     }
     for kernel in args.kernels.split(","):
-        stage = "forward" if kernel == "forward" else "backward" if "backward" in kernel else "bob"
+        stage = kernel if kernel in ("forward", "jvp") else "backward" if "backward" in kernel else "bob"
         for bm, bn, warps, num_stages, *split in CANDIDATES[kernel]:
             settings = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=num_stages)
             settings.update({"SPLIT": split[0]} if split else {})

@@ -86,7 +86,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--inner-lr", type=float, default=1e-3)
     p.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
     p.add_argument("--device", default="cuda")
-    p.add_argument("--time-limit", type=float, default=60.0, help="seconds per measured step")
     p.add_argument("--tiny", action="store_true", help="a 2-layer model (CPU logic check)")
     p.add_argument("--out", help="also write the rows and the environment to this JSON file")
     args = p.parse_args(argv)

@@ -1,7 +1,8 @@
 """Exact softmax attention that can be differentiated twice (FlashBoB).
 
 Public API
-    flash_attention(q, k, v, *, causal=False, window=None, scale=None, backend="auto") -> out
+    flash_attention(q, k, v, *, causal=False, window=None, scale=None, backend="auto",
+                    fp32_precision=None) -> out
     attention_forward / attention_backward / attention_bob: the three stages as plain functions.
 
 Supported
@@ -10,11 +11,25 @@ Supported
     * masks: none, causal (bottom-right aligned: query i sees keys j <= i + M - N), and causal
       sliding window (also j > i + M - N - window); rows that see no key output zero;
     * head dims 8 to 256, not only powers of two;
-    * dtypes float16, bfloat16, float32 on the Triton path (float64 too on the torch path);
+    * dtypes float16, bfloat16, float32 on the Triton path (float64 too on the torch path); float32
+      products by fp32_precision: "ieee" (default for now), "tf32x3" or "tf32";
+    * GPUs of compute capability 8.0 and newer (Ampere, Ada, Hopper): the tiles are fitted to the
+      device's shared memory per block (kernels/tiling.py; FLASHBOB_MAX_SHARED_MEM=163K or 99K
+      imposes an A100's or an L4's on a larger GPU);
     * derivatives: first and second order. The second (backward-over-backward) runs the FlashBoB
       kernels: exact, O(N) extra memory, no N x N tensor. A third derivative raises an error on the
       Triton path (use backend="torch");
-    * `torch.func.grad` of `torch.func.grad`, and `torch.func.functional_call`.
+    * `torch.func.grad` of `torch.func.grad`, and `torch.func.functional_call`;
+    * forward mode on the Triton path (`torch.func.jvp`, `torch.autograd.forward_ad`), tangents of
+      any subset of q, k, v: one fused forward-with-tangent kernel, O(N) extra memory. Through
+      `torch.func.jvp` it runs after the forward kernel (PyTorch calls forward, then jvp);
+    * gradients of a loss on the JVP's output (`torch.func.grad` of `torch.func.jvp`, or
+      `torch.autograd.grad` through forward_ad duals), w.r.t. q, k, v and the tangents: the first
+      backward and the FlashBoB kernels, exact, no N x N tensor;
+    * `torch.func.vmap` (in_dims on any of q, k, v, None included), also of grad, jvp, grad of grad
+      and grad of jvp: the vmapped dim is folded into the batch;
+    * `torch.compile(fullgraph=True)` at first order on both backends (the Triton path is the custom
+      op `flashbob::attention_forward` under compile, `kernels.compiled`).
 
 Backends
     "triton": the Triton kernels, on CUDA, or on CPU tensors when TRITON_INTERPRET=1 was set
@@ -28,7 +43,13 @@ Hugging Face transformers
 
 Known limits
     No dropout, no attention bias or arbitrary masks, no variable-length (packed) batches.
-    The Triton path does not support vmap over the op.
+    Triton path: a third derivative, forward mode through a gradient (jvp of grad) or through a
+    tangent (jvp of jvp) raise errors. Inside a compiled region only first order works: PyTorch's
+    AOTAutograd raises on a second derivative (run second-order steps eagerly), and forward mode and
+    vmap are not supported there. See docs/forward_mode.md.
+    Float32 at head dim 256 needs, by the
+    shared-memory estimate, ~112 KiB in the BoB even at the smallest tiles: on a 99 KiB GPU
+    (L4, RTX 4090) Triton may refuse it (the error says so); use bfloat16 there.
 """
 
 from .api import attention_backward, attention_bob, attention_forward, flash_attention

@@ -5,6 +5,7 @@ import triton
 import triton.language as tl
 
 from ._tiles import (
+    NO_SPECIALIZE,
     col_tile_needs_mask,
     key_range,
     load_tile,
@@ -17,7 +18,7 @@ from ._tiles import (
 )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "HEADS"])
 def row_dot_kernel(
     A, Bt, Out, sab, sah, san, sbb, sbh, sbn, N, HEADS,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -34,7 +35,7 @@ def row_dot_kernel(
     tl.store(Out + pid_bh.to(tl.int64) * N + offs_m, tl.sum(a * bt, 1), mask=offs_m < N)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=NO_SPECIALIZE, do_not_specialize_on_alignment=["GROUP"])
 def attention_backward_dkdv_kernel(
     Q, K, V, DO, Lse, Delta, DK, DV,
     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdon, sdkb, sdkh, sdkn,
@@ -80,7 +81,7 @@ def attention_backward_dkdv_kernel(
     store_tile(DV + b * sdkb + hk * sdkh, dv, offs_n, offs_d, sdkn, M, HEAD_DIM)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=NO_SPECIALIZE, do_not_specialize_on_alignment=["GROUP"])
 def attention_backward_dq_kernel(
     Q, K, V, DO, Lse, Delta, DQ,
     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdon, sdqb, sdqh, sdqn,

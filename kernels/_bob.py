@@ -17,12 +17,16 @@ in the transposed (key, query) orientation so that every tile is already the lef
     K̄ = s*sum[G_S^T Q + dS^T U_Q],   V̄ = sum[G_dP^T dO],
     G_S = P*(W + G*(dP - delta) - c*dP - e),   G_dP = P*(G - c).
 Absent cotangents are compile-time flags (HAS_G = HAS_UQ or HAS_UK): their products are never issued.
+WARP_SPECIALIZE asks Triton to split each kernel's key (rows) or query (columns) loop into producer
+and consumer warps (`tl.range(warp_specialize=True)`, Hopper and newer); off by default, a
+setting for benchmarks/portable.py to measure.
 """
 
 import triton
 import triton.language as tl
 
 from ._tiles import (
+    NO_SPECIALIZE,
     col_tile_needs_mask,
     key_range,
     load_tile,
@@ -35,7 +39,7 @@ from ._tiles import (
 )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=NO_SPECIALIZE, do_not_specialize_on_alignment=["GROUP"])
 def attention_bob_rows_kernel(
     Q, K, V, O, DO, DQ, UQ, UK, UV, Lse, Delta, GQ, GDO, C, E,
     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, sdob, sdoh, sdon,
@@ -44,7 +48,7 @@ def attention_bob_rows_kernel(
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr,
     HAS_UV: tl.constexpr, HAS_G: tl.constexpr, WANT_GQ: tl.constexpr, WANT_GDO: tl.constexpr,
     HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     """One program: BLOCK_M query rows of one (batch, query head); writes Q̄, c, e (WANT_GQ) and
     dŌ (WANT_GDO). Grid (cdiv(N, BLOCK_M), B * Hq). GQ and GDO share strides (fresh buffers)."""
@@ -76,7 +80,7 @@ def attention_bob_rows_kernel(
     c = tl.zeros([BLOCK_M], tl.float32)
     x_sum = tl.zeros([BLOCK_M], tl.float32)
     lo, hi = key_range(start_m, M, OFFSET, WINDOW, CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N)
-    for start_n in range(lo, hi, BLOCK_N):
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         offs_n = start_n + offs_n0
         k = load_tile(k_base, offs_n, offs_d, skn, M, HEAD_DIM)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
@@ -127,7 +131,7 @@ def attention_bob_rows_kernel(
         store_tile(GDO + b * sgb + h * sgh, acc_do, offs_m, offs_d, sgn, N, HEAD_DIM)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=NO_SPECIALIZE, do_not_specialize_on_alignment=["GROUP"])
 def attention_bob_cols_kernel(
     Q, K, V, DO, UQ, UK, UV, Lse, Delta, C, E, GK, GV,
     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdon,
@@ -135,7 +139,7 @@ def attention_bob_cols_kernel(
     N, M, HEADS_Q, HEADS_KV, GROUP, OFFSET, WINDOW, qk_scale_log2, scale,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr,
     HAS_UV: tl.constexpr, HAS_G: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     """One program: BLOCK_N keys of one (batch, kv head), summing over its GROUP query heads;
     writes K̄ and V̄. Grid (cdiv(M, BLOCK_N), B * Hkv). GK and GV share strides. Tiles are
@@ -164,7 +168,7 @@ def attention_bob_cols_kernel(
         q_base = Q + b * sqb + h * sqh
         do_base = DO + b * sdob + h * sdoh
         uq_base = UQ + b * suqb + h * suqh
-        for start_m in range(lo, hi, BLOCK_M):
+        for start_m in tl.range(lo, hi, BLOCK_M, warp_specialize=WARP_SPECIALIZE):
             offs_m = start_m + offs_m0
             q = load_tile(q_base, offs_m, offs_d, sqn, N, HEAD_DIM)
             lse2 = lse_log2(Lse + row, offs_m, N)

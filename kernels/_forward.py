@@ -3,10 +3,10 @@
 import triton
 import triton.language as tl
 
-from ._tiles import key_range, load_tile, row_tile_needs_mask, store_tile, visible
+from ._tiles import NO_SPECIALIZE, key_range, load_tile, row_tile_needs_mask, store_tile, visible
 
 
-@triton.jit
+@triton.jit(do_not_specialize=NO_SPECIALIZE, do_not_specialize_on_alignment=["GROUP"])
 def attention_forward_kernel(
     Q, K, V, Out, Lse,
     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,

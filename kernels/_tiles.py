@@ -5,6 +5,12 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+NO_SPECIALIZE = ["N", "M", "HEADS_Q", "HEADS_KV", "OFFSET", "WINDOW"]
+"""Integer arguments the attention kernels must not specialize on: Triton would otherwise compile
+again whenever one of them changes its divisibility by 16 or becomes 1 (a new sequence length, a
+different head count). GROUP keeps only its "is 1" specialization (MHA against GQA); the strides
+keep theirs, as they are multiples of 16 whenever the head dim is, whatever the lengths, and
+aligned rows let the loads vectorize. Names a kernel does not take are ignored."""
 
 
 @triton.jit

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import reference
-from .validation import check_attention_args, check_like
+from .validation import check_attention_args, check_fp32_precision, check_like
 
 
 def flash_attention(
@@ -17,6 +17,7 @@ def flash_attention(
     window: int | None = None,
     scale: float | None = None,
     backend: str = "auto",
+    fp32_precision: str | None = None,
 ) -> torch.Tensor:
     """Softmax attention that can be differentiated twice.
 
@@ -28,28 +29,35 @@ def flash_attention(
     scale: defaults to D ** -0.5.
     backend: "triton" (CUDA, or CPU under TRITON_INTERPRET=1), "torch" (plain PyTorch, any order
     of derivatives), or "auto" (triton on CUDA, torch elsewhere).
+    fp32_precision: the Triton path's matrix products for float32 inputs, in all three stages:
+    "ieee" (full float32, slowest), "tf32x3" (three TF32 tensor-core products, near float32),
+    "tf32" (one, ~1e-3 relative error), or None for `validation.DEFAULT_FP32_PRECISION`; costs in
+    `validation.check_fp32_precision`. The torch backend follows PyTorch's own matmul settings.
     """
     scale, backend = check_attention_args(q, k, v, causal=causal, window=window, scale=scale, backend=backend)
+    fp32_precision = check_fp32_precision(fp32_precision)
     if backend == "torch":
         return reference.attention_naive(q, k, v, causal=causal, window=window, scale=scale)
     from .autograd import triton_attention
 
-    return triton_attention(q, k, v, causal=causal, window=window, scale=scale)
+    return triton_attention(q, k, v, causal=causal, window=window, scale=scale, fp32_precision=fp32_precision)
 
 
-def attention_forward(q, k, v, *, causal=False, window=None, scale=None, backend="auto"):
+def attention_forward(q, k, v, *, causal=False, window=None, scale=None, backend="auto", fp32_precision=None):
     """Forward stage. q: (B, Hq, N, D); k, v: (B, Hkv, M, D).
 
     Returns (out, lse): out (B, Hq, N, D) in q's dtype; lse (B, Hq, N) float32 (float64 for
     float64 inputs), the natural-log row log-sum-exp of the scaled masked scores, -inf on rows that
-    see no key.
+    see no key. fp32_precision: as in `flash_attention`.
     """
     scale, backend = check_attention_args(q, k, v, causal=causal, window=window, scale=scale, backend=backend)
+    fp32_precision = check_fp32_precision(fp32_precision)
     if backend == "torch":
         return reference.forward_reference(q, k, v, causal=causal, window=window, scale=scale)
     from . import triton_ops
 
-    return triton_ops.forward(q, k, v, causal=causal, window=window, scale=scale)
+    return triton_ops.forward(q, k, v, causal=causal, window=window, scale=scale,
+                              fp32_precision=fp32_precision)
 
 
 def _check_stage_inputs(q, k, out, lse, dout):
@@ -61,14 +69,16 @@ def _check_stage_inputs(q, k, out, lse, dout):
         raise ValueError(f"lse must be on {q.device}, got {lse.device}")
 
 
-def attention_backward(q, k, v, out, lse, dout, *, causal=False, window=None, scale=None, backend="auto"):
+def attention_backward(q, k, v, out, lse, dout, *, causal=False, window=None, scale=None, backend="auto",
+                       fp32_precision=None):
     """First backward stage. q, out, dout: (B, Hq, N, D); k, v: (B, Hkv, M, D); lse: (B, Hq, N)
     as returned by `attention_forward` with the same options.
 
     Returns (dq, dk, dv) shaped like (q, k, v). The result is not itself differentiable; use
-    `flash_attention` with autograd for that.
+    `flash_attention` with autograd for that. fp32_precision: as in `flash_attention`.
     """
     scale, backend = check_attention_args(q, k, v, causal=causal, window=window, scale=scale, backend=backend)
+    fp32_precision = check_fp32_precision(fp32_precision)
     _check_stage_inputs(q, k, out, lse, dout)
     if backend == "torch":
         return reference.backward_reference(
@@ -76,12 +86,13 @@ def attention_backward(q, k, v, out, lse, dout, *, causal=False, window=None, sc
         )
     from . import triton_ops
 
-    return triton_ops.backward(q, k, v, out, lse, dout, causal=causal, window=window, scale=scale)
+    return triton_ops.backward(q, k, v, out, lse, dout, causal=causal, window=window, scale=scale,
+                               fp32_precision=fp32_precision)
 
 
 def attention_bob(
     q, k, v, out, lse, dout, dq, u_q=None, u_k=None, u_v=None, *, causal=False, window=None, scale=None,
-    backend="auto",
+    backend="auto", fp32_precision=None,
 ):
     """Backward-over-backward stage (FlashBoB): the gradients of <u_q, dq> + <u_k, dk> + <u_v, dv>
     with respect to (q, k, v, dout), where (dq, dk, dv) = attention_backward(q, k, v, out, lse, dout).
@@ -90,8 +101,10 @@ def attention_bob(
     dq is the first backward's dq (the Triton path reuses it instead of recomputing it). Any of
     u_q, u_k, u_v may be None (zero): its work is skipped.
     Returns (grad_q, grad_k, grad_v, grad_dout) shaped like (q, k, v, dout).
+    fp32_precision: as in `flash_attention`.
     """
     scale, backend = check_attention_args(q, k, v, causal=causal, window=window, scale=scale, backend=backend)
+    fp32_precision = check_fp32_precision(fp32_precision)
     _check_stage_inputs(q, k, out, lse, dout)
     check_like("dq", dq, q, tuple(q.shape))
     check_like("u_q", u_q, q, tuple(q.shape))
@@ -104,5 +117,6 @@ def attention_bob(
     from . import triton_ops
 
     return triton_ops.bob(
-        q, k, v, out, lse, dout, dq, u_q, u_k, u_v, causal=causal, window=window, scale=scale
+        q, k, v, out, lse, dout, dq, u_q, u_k, u_v, causal=causal, window=window, scale=scale,
+        fp32_precision=fp32_precision,
     )

@@ -36,8 +36,9 @@ def _scores(q, k, *, causal, window, scale):
     if mask is None:
         return scores, None
     scores = scores.masked_fill(~mask, float("-inf"))
-    has_key = mask.any(-1)
-    return scores, (None if bool(has_key.all()) else has_key)
+    # Decided from the shapes, not from the mask's values (no data-dependent branch, so torch.compile
+    # traces it in one graph): query i sees key i + M - N, so only M < N leaves rows without a key.
+    return scores, (mask.any(-1) if k.shape[2] < q.shape[2] else None)
 
 
 def attention_naive(

@@ -1,20 +1,67 @@
-"""Tile shapes and launch settings for each kernel, by head dim and device.
+"""Tile shapes and launch settings for each kernel, by head dim, dtype and device.
 
 Under Triton's CPU interpreter, small tiles (16) keep tests fast and exercise the multi-tile paths
-on small sequences. On CUDA the shapes are chosen per kernel from the register budget: the rows
-kernel of the BoB holds three (BLOCK_M, D) float32 accumulators, the others one or two.
-`override` replaces a kernel's settings for a while (the benchmark uses it to compare tilings).
+on small sequences. On CUDA the starting point is the table tuned on the H200 (`_cuda_default`);
+where the device has less shared memory per block than a setting needs (`shared_mem_estimate`),
+the setting steps down (fewer pipeline stages, then smaller tiles) until the estimate fits.
+If Triton still reports `OutOfResources` at launch, `launch` steps down further and remembers the
+setting that worked, per (kernel, dtype, head dim, float32 precision, device), so the fallback's
+extra compilation happens once per process.
+
+Limits can be imposed below the real device's, to run on one GPU what a smaller one would get:
+`impose_limits(DeviceLimits(...))` in code, or the environment variable FLASHBOB_MAX_SHARED_MEM
+(bytes, or KiB with a K suffix: `163K` for an A100, `99K` for an L4 / RTX 4090). Under an imposed
+limit, a compiled kernel that needs more shared memory than the limit counts as out of resources.
+
+Registers do not vary across the GPUs Triton supports (compute capability 8.0 and newer: 64K
+32-bit registers per SM, at most 255 per thread), so the register rule (`split_bob_rows`) is the
+same on all of them. `override` replaces a kernel's settings for a while (benchmarks use it to
+compare tilings); overridden settings are launched as given, without stepping down.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import os
+import re
+from collections.abc import Callable
 
 import torch
 import triton
+from triton.runtime.errors import OutOfResources
 
-KERNELS = ("forward", "backward_kv", "backward_q", "bob_rows", "bob_cols")
+KERNELS = ("forward", "backward_kv", "backward_q", "bob_rows", "bob_cols", "jvp")
+INTERPRETER_TILES = (16, 16, 1, 1)
+"""(BLOCK_M, BLOCK_N, num_warps, num_stages) under the CPU interpreter."""
+MIN_TILE = 16
+SHARED_MEM_ENV = "FLASHBOB_MAX_SHARED_MEM"
+
 _overrides: dict[str, dict] = {}
+_imposed: list[DeviceLimits] = []
+_working: dict[tuple, dict] = {}
+_device_cache: dict[int, DeviceLimits] = {}
+launch_listener: Callable[..., None] | None = None
+"""If set, called after every successful launch as listener(kernel, cfg, estimate, compiled,
+itemsize, precision): the settings, their shared-memory estimate and what the launch returned (the
+compiled kernel on CUDA); benchmarks/portable.py records the estimate against the real need."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceLimits:
+    """What one launch may use on a GPU: shared memory per block in bytes (the opt-in maximum
+    that Triton checks at launch) and the compute capability (major, minor)."""
+
+    max_shared_mem: int
+    capability: tuple[int, int]
+
+
+PRESETS = {
+    "h100": DeviceLimits(232448, (9, 0)),  # H100 / H200: 227 KiB per block
+    "a100": DeviceLimits(166912, (8, 0)),  # 163 KiB
+    "ada": DeviceLimits(101376, (8, 9)),   # L4, RTX 4090: 99 KiB
+}
+"""Limits of the GPU families the kernels are meant for (NVIDIA's per-block opt-in maxima)."""
 
 
 def block_d(head_dim: int) -> int:
@@ -22,18 +69,61 @@ def block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def _cuda_default(kernel: str, bd: int, itemsize: int) -> tuple[int, int, int, int]:
+def parse_shared_mem(text: str) -> int:
+    """'232448' -> 232448 bytes; '163K' or '163KiB' -> 163 * 1024. Raises ValueError otherwise."""
+    match = re.fullmatch(r"\s*(\d+)\s*(K|KiB)?\s*", text, flags=re.IGNORECASE)
+    if not match or int(match.group(1)) <= 0:
+        raise ValueError(f"{SHARED_MEM_ENV} must be a positive number of bytes or of KiB with a K suffix "
+                         f"(e.g. 163K), got {text!r}")
+    return int(match.group(1)) * (1024 if match.group(2) else 1)
+
+
+def _real_limits(device: torch.device) -> DeviceLimits:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _device_cache:
+        props = triton.runtime.driver.active.utils.get_device_properties(index)
+        _device_cache[index] = DeviceLimits(props["max_shared_mem"], torch.cuda.get_device_capability(index))
+    return _device_cache[index]
+
+
+def device_limits(device: torch.device) -> DeviceLimits:
+    """Limits a launch on `device` must respect: the device's own, lowered by FLASHBOB_MAX_SHARED_MEM
+    and by an active `impose_limits` (whose capability then stands in for the device's). On a
+    non-CUDA device (the interpreter) the H100 preset stands in for the device."""
+    limits = _real_limits(device) if device.type == "cuda" else PRESETS["h100"]
+    env = os.environ.get(SHARED_MEM_ENV)
+    if env:
+        limits = dataclasses.replace(limits, max_shared_mem=min(limits.max_shared_mem, parse_shared_mem(env)))
+    if _imposed:
+        imposed = _imposed[-1]
+        limits = DeviceLimits(min(limits.max_shared_mem, imposed.max_shared_mem), imposed.capability)
+    return limits
+
+
+@contextlib.contextmanager
+def impose_limits(limits: DeviceLimits):
+    """Within the block, choose and check launch settings as if the device had `limits` (shared
+    memory is only ever lowered, never raised above the real device's). Settings remembered by the
+    fallback are keyed by the limits, so they do not leak out of the block."""
+    _imposed.append(limits)
+    try:
+        yield limits
+    finally:
+        _imposed.pop()
+
+
+def _cuda_default(kernel: str, bd: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a CUDA launch, from the H200 sweep recorded in
     docs/kernel_notes.md (bf16, N=16384, causal, head dims 64 and 128). Four warps (one warpgroup)
     win everywhere: eight split the row sums of a tile across warpgroups. Head dim 256 takes the
-    smallest tiles, for the registers; in float32 its BoB columns kernel also halves the query tile:
-    at BLOCK_M 32 it asked for 228 KiB of shared memory and Triton refused it (the H200 has 227)."""
+    smallest tiles, for the registers (`cuda_config` then fits them to the device's shared memory:
+    in float32 the BoB columns kernel asked the H200 for 228 KiB at these tiles, and steps down)."""
     if bd > 128:
-        if kernel == "forward":
-            return (64, 32, 4, 2)
-        return (16, 32, 4, 1) if kernel == "bob_cols" and itemsize > 2 else (32, 32, 4, 1)
+        return (64, 32, 4, 2) if kernel == "forward" else (32, 32, 4, 1)
     if kernel == "forward":
         return (64, 64, 4, 3)
+    if kernel == "jvp":  # not yet swept: two (BLOCK_M, D) accumulators, one more than the dQ kernel
+        return (64, 64, 4, 2) if bd <= 64 else (64, 32, 4, 2)
     if kernel in ("backward_kv", "backward_q"):
         return (64, 64, 4, 2)
     if kernel == "bob_rows":
@@ -43,29 +133,180 @@ def _cuda_default(kernel: str, bd: int, itemsize: int) -> tuple[int, int, int, i
 
 def split_bob_rows(head_dim: int) -> bool:
     """Whether the BoB rows kernel runs as two launches (Q̄, then dŌ) by default: above head dim 64 its
-    three (64, D) float32 accumulators would spill registers. The interpreter follows the same rule."""
+    three (64, D) float32 accumulators (192 registers per thread of four warps at D=128) would spill.
+    The interpreter follows the same rule."""
     return block_d(head_dim) > 64
 
 
-def choose(kernel: str, q: torch.Tensor, **flags) -> dict:
-    """Launch settings for `kernel` (one of KERNELS) with inputs like q (B, H, N, D):
-    BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages, and for bob_rows SPLIT (two launches or one)."""
-    bd = block_d(q.shape[-1])
-    bm, bn, warps, stages = _cuda_default(kernel, bd, q.element_size()) if q.is_cuda else (16, 16, 1, 1)
-    cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_D": bd, "num_warps": warps, "num_stages": stages}
+BOB_KERNELS = ("bob_rows", "bob_cols")
+COLUMN_KERNELS = ("backward_kv", "bob_cols")
+"""Kernels whose programs own BLOCK_N keys and loop over query tiles (the others own BLOCK_M rows)."""
+
+
+def _operand_tiles(kernel: str, flags: dict) -> tuple[int, int, int]:
+    """(tiles loaded once per program, tiles loaded per loop step, of those the most alive at once)
+    for `kernel`: the (rows, BLOCK_D) operands it keeps. A kernel not listed counts as 2 and 3."""
+    uq, uk, uv = (bool(flags.get(f, True)) for f in ("HAS_UQ", "HAS_UK", "HAS_UV"))
+    g = bool(flags.get("HAS_G", uq or uk))
+    if kernel == "forward":
+        return 1, 2, 2                                      # q; k, v
+    if kernel in ("backward_kv", "backward_q"):
+        return 2, 2, 2                                      # q, do / k, v
     if kernel == "bob_rows":
-        cfg["SPLIT"] = split_bob_rows(q.shape[-1])
+        inner = 1 + uv + g + uk                             # k, u_v, v, u_k
+        return 2 + uq, inner, min(inner, 3)                 # q, do, u_q: u_v and v die young
+    if kernel == "bob_cols":
+        return 1 + g + uk + uv, 1 + (uv or g) + uq, 1 + (uv or g) + uq   # k, v, u_k, u_v; q, do, u_q
+    if kernel == "jvp":
+        tq, tk, tv = (bool(flags.get(f, True)) for f in ("HAS_TQ", "HAS_TK", "HAS_TV"))
+        return 1 + tq, 2 + tk + tv, 2 + tk + tv                  # q, t_q; k, v, t_k, t_v
+    return 2, 3, 3
+
+
+def shared_mem_estimate(kernel: str, cfg: dict, itemsize: int, precision: str = "ieee", **flags) -> int:
+    """Bytes of shared memory a launch of `kernel` with cfg (BLOCK_M, BLOCK_N, BLOCK_D, num_stages)
+    is expected to need, for inputs of `itemsize` bytes. Two regimes, calibrated on the H200
+    (Triton 3.6), where every setting of the tuned table launches and these did not:
+      tensor-core products (16-bit inputs, or float32 with tf32 / tf32x3): the loop-invariant operand
+      tiles once, plus num_stages buffers of every tile the loop loads (the software pipeline):
+      bf16 D=128 columns kernel, 128 queries x 64 keys, 2 stages: 256 KiB (refused; its 64 x 128
+      transpose, 224 KiB, launched);
+      float32 IEEE products (FMA, not pipelined): the loop-invariant tiles, the loop's tiles alive at
+      once, and one float32 (BLOCK_M, BLOCK_N) tile of scratch: float32 D=256 columns kernel,
+      32 x 32 tiles: 228 KiB (refused: "Required: 228 KiB").
+    """
+    outer, inner, alive = _operand_tiles(kernel, flags)
+    rows_outer, rows_inner = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    if kernel in COLUMN_KERNELS:
+        rows_outer, rows_inner = rows_inner, rows_outer
+    tile = itemsize * cfg["BLOCK_D"]
+    if itemsize == 4 and precision == "ieee":
+        return tile * (outer * rows_outer + alive * rows_inner) + 4 * cfg["BLOCK_M"] * cfg["BLOCK_N"]
+    return tile * (outer * rows_outer + max(1, cfg["num_stages"]) * inner * rows_inner)
+
+
+def step_down(kernel: str, cfg: dict) -> dict | None:
+    """The next smaller setting after cfg: one pipeline stage fewer, else half the loop's tile, else
+    half the program's tile (down to 16 rows); None when cfg is the smallest."""
+    loop, own = ("BLOCK_M", "BLOCK_N") if kernel in COLUMN_KERNELS else ("BLOCK_N", "BLOCK_M")
+    if cfg["num_stages"] > 1:
+        return {**cfg, "num_stages": cfg["num_stages"] - 1}
+    for name in (loop, own):
+        if cfg[name] > MIN_TILE:
+            return {**cfg, name: cfg[name] // 2}
+    return None
+
+
+def cuda_config(kernel: str, head_dim: int, itemsize: int, limits: DeviceLimits, precision: str = "ieee",
+                **flags) -> dict:
+    """Launch settings for `kernel` on a GPU with `limits`: the tuned table's, stepped down until
+    `shared_mem_estimate` fits the device's shared memory (the smallest setting if none does;
+    `launch` then has the last word). BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages."""
+    if limits.capability < (8, 0):
+        raise RuntimeError(
+            f"the Triton kernels need a GPU of compute capability 8.0 or newer (Ampere, Ada, Hopper), got "
+            f"{limits.capability[0]}.{limits.capability[1]}; use backend='torch'"
+        )
+    bd = block_d(head_dim)
+    bm, bn, warps, stages = _cuda_default(kernel, bd)
+    cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_D": bd, "num_warps": warps, "num_stages": stages}
+    while shared_mem_estimate(kernel, cfg, itemsize, precision, **flags) > limits.max_shared_mem:
+        smaller = step_down(kernel, cfg)
+        if smaller is None:
+            break
+        cfg = smaller
+    return cfg
+
+
+def _memory_key(kernel: str, q: torch.Tensor, precision: str) -> tuple:
+    return (kernel, q.dtype, block_d(q.shape[-1]), precision, str(q.device), device_limits(q.device))
+
+
+def choose(kernel: str, q: torch.Tensor, **flags) -> dict:
+    """Launch settings for `kernel` with inputs like q (B, H, N, D): BLOCK_M, BLOCK_N, BLOCK_D,
+    num_warps, num_stages, for bob_rows SPLIT (two launches or one), for both BoB kernels
+    WARP_SPECIALIZE (off unless overridden). flags: the kernel's
+    compile-time flags (HAS_UQ, ..., PRECISION), which the shared-memory estimate reads."""
+    precision = flags.get("PRECISION", "ieee")
+    remembered = _working.get(_memory_key(kernel, q, precision))
+    if remembered is not None:
+        cfg = dict(remembered)
+    elif q.is_cuda:
+        cfg = cuda_config(kernel, q.shape[-1], q.element_size(), device_limits(q.device), precision,
+                          **{k: v for k, v in flags.items() if k != "PRECISION"})
+    else:
+        bm, bn, warps, stages = INTERPRETER_TILES
+        cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_D": block_d(q.shape[-1]), "num_warps": warps,
+               "num_stages": stages}
+    if kernel == "bob_rows":
+        cfg.setdefault("SPLIT", split_bob_rows(q.shape[-1]))
+    if kernel in BOB_KERNELS:
+        cfg.setdefault("WARP_SPECIALIZE", False)
     cfg.update(_overrides.get(kernel, {}))
     return cfg
+
+
+def _check_imposed(compiled, limit: int) -> None:
+    """Raise OutOfResources where a compiled kernel needs more shared memory than an imposed limit
+    (the real device would have accepted it)."""
+    shared = getattr(getattr(compiled, "metadata", None), "shared", None)
+    if shared is not None and shared > limit:
+        raise OutOfResources(shared, limit, "shared memory")
+
+
+def launch(kernel: str, q: torch.Tensor, run: Callable[[dict], object], **flags) -> dict:
+    """Launch `kernel` by calling run(cfg) (which must launch it with the settings cfg and may
+    return the compiled kernel; launches must be repeatable: they overwrite their outputs) with
+    `choose`'s settings. On OutOfResources, step down to the first smaller setting whose estimate,
+    scaled by the error's required / estimated ratio, fits, and try again; the setting that works
+    is remembered. Returns the settings used. Overridden settings are launched as given."""
+    cfg = choose(kernel, q, **flags)
+    precision = flags.get("PRECISION", "ieee")
+    limit = device_limits(q.device).max_shared_mem
+    itemsize = q.element_size()
+    while True:
+        try:
+            compiled = run(cfg)
+            _check_imposed(compiled, limit)
+        except OutOfResources as err:
+            if kernel in _overrides:
+                raise
+            cfg = _fallback(kernel, cfg, err, itemsize, limit, precision, flags)
+            continue
+        if kernel not in _overrides:
+            _working[_memory_key(kernel, q, precision)] = {
+                k: v for k, v in cfg.items() if k not in ("SPLIT", "WARP_SPECIALIZE")}
+        if launch_listener is not None:
+            estimate = shared_mem_estimate(kernel, cfg, itemsize, precision, **flags)
+            launch_listener(kernel, cfg, estimate, compiled, itemsize, precision)
+        return cfg
+
+
+def _fallback(kernel, cfg, err, itemsize, limit, precision, flags) -> dict:
+    estimate = shared_mem_estimate(kernel, cfg, itemsize, precision, **flags)
+    ratio = err.required / estimate if err.name == "shared memory" and estimate else 1.0
+    smaller = step_down(kernel, cfg)
+    if smaller is None:
+        raise OutOfResources(err.required, err.limit,
+                             f"{err.name} for kernel {kernel} even at its smallest tiles "
+                             f"(head dim block {cfg['BLOCK_D']}, {itemsize}-byte inputs, precision "
+                             f"{precision}); use bfloat16 inputs or backend='torch'") from err
+    while True:
+        fits = shared_mem_estimate(kernel, smaller, itemsize, precision, **flags) * ratio <= limit
+        after = step_down(kernel, smaller)
+        if fits or after is None:
+            return smaller
+        smaller = after
 
 
 @contextlib.contextmanager
 def override(kernel: str, **settings):
     """Within the block, launch `kernel` with `settings` (e.g. BLOCK_M=128, num_warps=8; for bob_rows
-    also SPLIT=False, one launch)."""
+    also SPLIT=False, one launch; for bob_rows and bob_cols WARP_SPECIALIZE=True)."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-    known = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages") + (("SPLIT",) if kernel == "bob_rows" else ())
+    known = (("BLOCK_M", "BLOCK_N", "num_warps", "num_stages") + (("SPLIT",) if kernel == "bob_rows" else ())
+             + (("WARP_SPECIALIZE",) if kernel in BOB_KERNELS else ()))
     unknown = sorted(set(settings) - set(known))
     if unknown:
         raise ValueError(f"override({kernel!r}) takes settings {known}, got {unknown}")

@@ -1,8 +1,8 @@
 """Launchers of the Triton kernels: check layouts, allocate outputs, pick tiles, launch.
 
-Each stage (forward, first backward, backward-over-backward) is one function taking and returning
-plain tensors; `kernels.autograd` chains them. Inputs need unit stride in the head dimension (other
-strides are passed through, so transposed (B, N, H, D) views need no copy).
+Each stage (forward, first backward, backward-over-backward, forward with tangent) is one function
+taking and returning plain tensors; `kernels.autograd` chains them. Inputs need unit stride in the
+head dimension (other strides are passed through, so transposed (B, N, H, D) views need no copy).
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ from . import tiling
 from ._backward import attention_backward_dkdv_kernel, attention_backward_dq_kernel, row_dot_kernel
 from ._bob import attention_bob_cols_kernel, attention_bob_rows_kernel
 from ._forward import attention_forward_kernel
+from ._jvp import attention_jvp_kernel
 from ._tiles import LOG2E
+from .validation import check_fp32_precision
 
 POISON_OUTPUTS = False
 """Tests set this to fill every buffer a launcher allocates with NaN, so an unwritten element shows."""
@@ -33,9 +35,9 @@ def _strides(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
-def _precision(dtype: torch.dtype) -> str:
-    # float32 inputs get full float32 products: TF32 would cost ~1e-3 relative error.
-    return "ieee" if dtype == torch.float32 else "tf32"
+def _precision(dtype: torch.dtype, fp32_precision: str | None = None) -> str:
+    """Triton's input_precision for products of `dtype` inputs (see check_fp32_precision)."""
+    return check_fp32_precision(fp32_precision) if dtype == torch.float32 else "tf32"
 
 
 def _mask_args(causal: bool, window: int | None, n: int, m: int) -> dict:
@@ -55,24 +57,29 @@ def row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def forward(q, k, v, *, causal: bool, window: int | None, scale: float):
-    """q: (B, Hq, N, D); k, v: (B, Hkv, M, D). Returns out (B, Hq, N, D) and lse (B, Hq, N) float32."""
+def forward(q, k, v, *, causal: bool, window: int | None, scale: float, fp32_precision: str | None = None):
+    """q: (B, Hq, N, D); k, v: (B, Hkv, M, D). Returns out (B, Hq, N, D) and lse (B, Hq, N) float32.
+    fp32_precision: the products of float32 inputs (`validation.check_fp32_precision`)."""
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     batch, heads_q, n, d = q.shape
     heads_kv, m = k.shape[1], k.shape[2]
     out = _empty(q.shape, q.dtype, q.device)
     lse = _empty((batch, heads_q, n), torch.float32, q.device)
-    cfg = tiling.choose("forward", q)
-    grid = (triton.cdiv(n, cfg["BLOCK_M"]), batch * heads_q)
-    attention_forward_kernel[grid](
-        q, k, v, out, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
-        n, m, heads_q, heads_q // heads_kv, qk_scale_log2=scale * LOG2E,
-        **_mask_args(causal, window, n, m), HEAD_DIM=d, PRECISION=_precision(q.dtype), **cfg,
-    )
+    precision = _precision(q.dtype, fp32_precision)
+
+    def run(cfg):
+        return attention_forward_kernel[(triton.cdiv(n, cfg["BLOCK_M"]), batch * heads_q)](
+            q, k, v, out, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
+            n, m, heads_q, heads_q // heads_kv, qk_scale_log2=scale * LOG2E,
+            **_mask_args(causal, window, n, m), HEAD_DIM=d, PRECISION=precision, **cfg,
+        )
+
+    tiling.launch("forward", q, run, PRECISION=precision)
     return out, lse
 
 
-def backward(q, k, v, out, lse, dout, *, causal: bool, window: int | None, scale: float):
+def backward(q, k, v, out, lse, dout, *, causal: bool, window: int | None, scale: float,
+             fp32_precision: str | None = None):
     """First backward. Returns (dq, dk, dv) shaped like (q, k, v)."""
     q, k, v, out, dout = (_unit_last(t) for t in (q, k, v, out, dout))
     lse = lse.contiguous()
@@ -83,26 +90,33 @@ def backward(q, k, v, out, lse, dout, *, causal: bool, window: int | None, scale
     dq = _empty(q.shape, q.dtype, q.device)
     dk = _empty(k.shape, k.dtype, k.device)
     dv = _empty(k.shape, k.dtype, k.device)
+    precision = _precision(q.dtype, fp32_precision)
     common = dict(
         qk_scale_log2=scale * LOG2E, scale=scale, **_mask_args(causal, window, n, m),
-        HEAD_DIM=d, PRECISION=_precision(q.dtype),
+        HEAD_DIM=d, PRECISION=precision,
     )
-    cfg = tiling.choose("backward_kv", q)
-    attention_backward_dkdv_kernel[(triton.cdiv(m, cfg["BLOCK_N"]), batch * heads_kv)](
-        q, k, v, dout, lse, delta, dk, dv,
-        *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dk),
-        n, m, heads_q, heads_kv, group, **common, **cfg,
-    )
-    cfg = tiling.choose("backward_q", q)
-    attention_backward_dq_kernel[(triton.cdiv(n, cfg["BLOCK_M"]), batch * heads_q)](
-        q, k, v, dout, lse, delta, dq,
-        *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dq),
-        n, m, heads_q, group, **common, **cfg,
-    )
+
+    def run_kv(cfg):
+        return attention_backward_dkdv_kernel[(triton.cdiv(m, cfg["BLOCK_N"]), batch * heads_kv)](
+            q, k, v, dout, lse, delta, dk, dv,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dk),
+            n, m, heads_q, heads_kv, group, **common, **cfg,
+        )
+
+    def run_q(cfg):
+        return attention_backward_dq_kernel[(triton.cdiv(n, cfg["BLOCK_M"]), batch * heads_q)](
+            q, k, v, dout, lse, delta, dq,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dq),
+            n, m, heads_q, group, **common, **cfg,
+        )
+
+    tiling.launch("backward_kv", q, run_kv, PRECISION=precision)
+    tiling.launch("backward_q", q, run_q, PRECISION=precision)
     return dq, dk, dv
 
 
-def bob(q, k, v, out, lse, dout, dq, u_q, u_k, u_v, *, causal: bool, window: int | None, scale: float):
+def bob(q, k, v, out, lse, dout, dq, u_q, u_k, u_v, *, causal: bool, window: int | None, scale: float,
+        fp32_precision: str | None = None):
     """Backward-over-backward. Cotangents u_q (like q), u_k, u_v (like k) may be None.
     Returns (grad_q, grad_k, grad_v, grad_dout) shaped like (q, k, v, dout)."""
     q, k, v, out, dout, dq = (_unit_last(t) for t in (q, k, v, out, dout, dq))
@@ -126,28 +140,66 @@ def bob(q, k, v, out, lse, dout, dq, u_q, u_k, u_v, *, causal: bool, window: int
     grad_dout = _empty(q.shape, q.dtype, q.device)
     grad_k = _empty(k.shape, k.dtype, k.device)
     grad_v = _empty(k.shape, k.dtype, k.device)
+    precision = _precision(q.dtype, fp32_precision)
     common = dict(
         qk_scale_log2=scale * LOG2E, scale=scale, **_mask_args(causal, window, n, m), **flags,
-        HEAD_DIM=d, PRECISION=_precision(q.dtype),
+        HEAD_DIM=d, PRECISION=precision,
     )
-    cfg = tiling.choose("bob_rows", q, **flags)
-    split = cfg.pop("SPLIT")
     rows_args = (
         q, k, v, out, dout, dq, u_q_, u_k_, u_v_, lse, delta, grad_q, grad_dout, row_c, row_e,
         *_strides(q), *_strides(k), *_strides(v), *_strides(out), *_strides(dout), *_strides(dq),
         *_strides(u_q_), *_strides(u_k_), *_strides(u_v_), *_strides(grad_q),
         n, m, heads_q, group,
     )
-    rows_grid = (triton.cdiv(n, cfg["BLOCK_M"]), batch * heads_q)
-    # Q̄ with c and e first, then dŌ (in one launch where the accumulators fit the registers).
-    passes = ((True, False), (False, True)) if split else ((True, True),)
-    for want_gq, want_gdo in passes:
-        attention_bob_rows_kernel[rows_grid](*rows_args, **common, WANT_GQ=want_gq, WANT_GDO=want_gdo, **cfg)
-    cfg = tiling.choose("bob_cols", q, **flags)
-    attention_bob_cols_kernel[(triton.cdiv(m, cfg["BLOCK_N"]), batch * heads_kv)](
-        q, k, v, dout, u_q_, u_k_, u_v_, lse, delta, row_c, row_e, grad_k, grad_v,
-        *_strides(q), *_strides(k), *_strides(v), *_strides(dout),
-        *_strides(u_q_), *_strides(u_k_), *_strides(u_v_), *_strides(grad_k),
-        n, m, heads_q, heads_kv, group, **common, **cfg,
-    )
+
+    def run_rows(cfg):
+        cfg = dict(cfg)
+        # Q̄ with c and e first, then dŌ (in one launch where the accumulators fit the registers).
+        passes = ((True, False), (False, True)) if cfg.pop("SPLIT") else ((True, True),)
+        grid = (triton.cdiv(n, cfg["BLOCK_M"]), batch * heads_q)
+        compiled = [attention_bob_rows_kernel[grid](*rows_args, **common, WANT_GQ=gq, WANT_GDO=gdo, **cfg)
+                    for gq, gdo in passes]
+        return max(compiled, key=lambda c: getattr(getattr(c, "metadata", None), "shared", 0))
+
+    def run_cols(cfg):
+        return attention_bob_cols_kernel[(triton.cdiv(m, cfg["BLOCK_N"]), batch * heads_kv)](
+            q, k, v, dout, u_q_, u_k_, u_v_, lse, delta, row_c, row_e, grad_k, grad_v,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(dout),
+            *_strides(u_q_), *_strides(u_k_), *_strides(u_v_), *_strides(grad_k),
+            n, m, heads_q, heads_kv, group, **common, **cfg,
+        )
+
+    tiling.launch("bob_rows", q, run_rows, PRECISION=precision, **flags)
+    tiling.launch("bob_cols", q, run_cols, PRECISION=precision, **flags)
     return grad_q, grad_k, grad_v, grad_dout
+
+
+def jvp(q, k, v, t_q, t_k, t_v, *, causal: bool, window: int | None, scale: float,
+        fp32_precision: str | None = None):
+    """Forward with tangent. q, t_q: (B, Hq, N, D); k, v, t_k, t_v: (B, Hkv, M, D); any tangent may
+    be None (zero). Returns out (B, Hq, N, D), lse (B, Hq, N) float32 and t_out (B, Hq, N, D), the
+    directional derivative of out along (t_q, t_k, t_v). fp32_precision: as in `forward`."""
+    q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+    t_q, t_k, t_v = (None if t is None else _unit_last(t.to(q.dtype)) for t in (t_q, t_k, t_v))
+    batch, heads_q, n, d = q.shape
+    heads_kv, m = k.shape[1], k.shape[2]
+    out = _empty(q.shape, q.dtype, q.device)
+    t_out = _empty(q.shape, q.dtype, q.device)
+    lse = _empty((batch, heads_q, n), torch.float32, q.device)
+    flags = dict(HAS_TQ=t_q is not None, HAS_TK=t_k is not None, HAS_TV=t_v is not None)
+    # Absent tangents are never read (their flag is off): any tensor stands in for the pointer.
+    t_q_ = q if t_q is None else t_q
+    t_k_ = k if t_k is None else t_k
+    t_v_ = v if t_v is None else t_v
+    precision = _precision(q.dtype, fp32_precision)
+
+    def run(cfg):
+        return attention_jvp_kernel[(triton.cdiv(n, cfg["BLOCK_M"]), batch * heads_q)](
+            q, k, v, t_q_, t_k_, t_v_, out, t_out, lse,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(t_q_), *_strides(t_k_), *_strides(t_v_),
+            *_strides(out), n, m, heads_q, heads_q // heads_kv, qk_scale_log2=scale * LOG2E, scale=scale,
+            **_mask_args(causal, window, n, m), **flags, HEAD_DIM=d, PRECISION=precision, **cfg,
+        )
+
+    tiling.launch("jvp", q, run, PRECISION=precision, **flags)
+    return out, lse, t_out

@@ -11,6 +11,10 @@ BACKENDS = ("auto", "triton", "torch")
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 TORCH_DTYPES = (*TRITON_DTYPES, torch.float64)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 8, 256
+FP32_PRECISIONS = ("ieee", "tf32x3", "tf32")
+DEFAULT_FP32_PRECISION = "ieee"
+"""The products of float32 inputs on the Triton path (fp32_precision=None), until the H200
+measurements of benchmarks/portable.py choose among FP32_PRECISIONS."""
 
 
 def triton_interpreter_enabled() -> bool:
@@ -99,3 +103,20 @@ def check_like(name: str, t: torch.Tensor | None, like: torch.Tensor, shape: tup
         raise ValueError(f"{name} must be on {like.device}, got {t.device}")
     if t.dtype != like.dtype:
         raise TypeError(f"{name} must have dtype {like.dtype}, got {t.dtype}")
+
+
+def check_fp32_precision(fp32_precision: str | None) -> str:
+    """The matrix products of float32 inputs on the Triton path; None means DEFAULT_FP32_PRECISION.
+
+    "ieee": full float32 products on the CUDA cores (no tensor cores): plain PyTorch float32's
+      error, but several times slower than the tensor-core modes and the slowest to compile.
+    "tf32x3": each product as three tensor-core TF32 products (high*high + high*low + low*high
+      parts of the operands): near-float32 error for about 3x the tensor-core work of "tf32".
+    "tf32": one TF32 product (10-bit mantissas): fastest, about 1e-3 relative error.
+    Ignored for float16 and bfloat16 inputs, whose products are always native tensor-core ones.
+    """
+    if fp32_precision is None:
+        return DEFAULT_FP32_PRECISION
+    if fp32_precision not in FP32_PRECISIONS:
+        raise ValueError(f"fp32_precision must be one of {FP32_PRECISIONS} or None, got {fp32_precision!r}")
+    return fp32_precision

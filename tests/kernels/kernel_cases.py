@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from kernels.reference import attention_naive
@@ -42,6 +43,13 @@ CASES = [
     Case(1, 1, 1, 1, 1, 8),
     Case(1, 1, 1, 19, 21, 256, causal=True),
 ]
+
+
+def many_compiles(condition: bool) -> list:
+    """Marks for a test variant that the 5-minute CUDA run (`-m "not many_compiles"`) leaves out:
+    on CUDA each new (dtype, head dim, mask, GQA, cotangent) class compiles every kernel again
+    (float32 IEEE ones for 20-77 s), so that run keeps one variant per feature. The CPU runs all."""
+    return [pytest.mark.many_compiles] if condition else []
 
 
 def make_inputs(case: Case, dtype=torch.float32, device=DEVICE, seed=0):

@@ -9,7 +9,7 @@ import itertools
 
 import pytest
 import torch
-from kernel_cases import CASES, DEVICE, Case, autograd_reference, make_inputs, rel_err
+from kernel_cases import CASES, DEVICE, Case, autograd_reference, make_inputs, many_compiles, rel_err
 
 import kernels
 from kernels import tiling, triton_ops
@@ -47,8 +47,17 @@ def check(name, got, ref, dtype, baseline):
     assert err <= limit, f"{name}: relative error {err:.3g} > {limit:.3g}"
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+# On CUDA, the cases each dtype runs in the 5-minute set: together they cover GQA / MQA, windows,
+# rectangular and empty rows, N = 1, and head dims 8 to 256 (CASES indices).
+CUDA_QUICK = {torch.float32: (1, 6), torch.bfloat16: (2, 3, 8, 9), torch.float16: (4, 5, 7)}
+STAGE_PARAMS = [
+    pytest.param(case, dtype, id=f"{case.id}-{dtype}",
+                 marks=many_compiles(i not in CUDA_QUICK[dtype]))
+    for dtype in DTYPES for i, case in enumerate(CASES)
+]
+
+
+@pytest.mark.parametrize("case, dtype", STAGE_PARAMS)
 def test_stages_match_float64(case, dtype):
     inputs = make_inputs(case)
     ref = autograd_reference(case, *inputs)
@@ -70,7 +79,9 @@ SUBSETS = [s for r in (1, 2) for s in itertools.combinations(("u_q", "u_k", "u_v
 
 
 @pytest.mark.parametrize("present", SUBSETS, ids="+".join)
-@pytest.mark.parametrize("case", [CASES[1], CASES[7]], ids=lambda c: c.id)
+@pytest.mark.parametrize(
+    "case", [CASES[1], pytest.param(CASES[7], marks=pytest.mark.many_compiles)], ids=lambda c: c.id
+)
 def test_bob_with_partial_cotangents(case, present):
     q, k, v, dout, *us = make_inputs(case, seed=1)
     us = [u if name in present else None for name, u in zip(("u_q", "u_k", "u_v"), us)]
@@ -117,12 +128,16 @@ LONG_CASES = [
 
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="long sequences need a GPU")
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("case", LONG_CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize(
+    "case, dtype",
+    [pytest.param(case, dtype, id=f"{case.id}-{dtype}", marks=many_compiles(dtype != torch.bfloat16))
+     for dtype in DTYPES for case in LONG_CASES],
+)
 def test_long_sequences_on_gpu(case, dtype):
     test_stages_match_float64(case, dtype)
 
 
+@pytest.mark.many_compiles
 @pytest.mark.parametrize("block_m, block_n", [(64, 32), (32, 64)])
 @pytest.mark.parametrize(
     "case", [Case(1, 2, 1, 150, 150, 64, causal=True, window=40), Case(1, 2, 2, 97, 130, 80, causal=True)],
@@ -136,6 +151,7 @@ def test_gpu_tile_shapes(case, block_m, block_n):
         test_stages_match_float64(case, torch.float32)
 
 
+@pytest.mark.many_compiles
 @pytest.mark.parametrize("split", [False, True], ids=["one_launch", "two_launches"])
 @pytest.mark.parametrize(
     "case", [Case(1, 2, 1, 37, 63, 48, causal=True), Case(1, 2, 2, 45, 45, 80)], ids=lambda c: c.id
@@ -144,6 +160,14 @@ def test_bob_rows_in_one_or_two_launches(case, split):
     """The BoB rows kernel's two modes, each at a head dim whose default is the other one."""
     with tiling.override("bob_rows", SPLIT=split, BLOCK_M=32 if case.d > 64 else 16, BLOCK_N=16):
         test_stages_match_float64(case, torch.float32)
+
+
+@pytest.mark.many_compiles
+def test_bob_with_warp_specialized_loops():
+    """The WARP_SPECIALIZE setting of both BoB kernels (a benchmark option; the interpreter runs the
+    loops as written, so this checks the code around them)."""
+    with tiling.override("bob_rows", WARP_SPECIALIZE=True), tiling.override("bob_cols", WARP_SPECIALIZE=True):
+        test_stages_match_float64(Case(1, 2, 1, 37, 45, 80, causal=True), torch.float32)
 
 
 def test_override_names_an_unknown_setting():

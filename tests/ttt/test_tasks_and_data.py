@@ -6,6 +6,7 @@ import torch
 
 from ttt.config import OuterOptimConfig
 from ttt.inner import InnerLoopConfig
+from ttt.inner.meta_step import adapt_and_score
 from ttt.learners import ContextChunksConfig, ContextLearner
 from ttt.meta import StepAlignedSampler, SyntheticTasks, TaskDataModule, held_out_tasks
 from ttt.meta.data import TEST_STREAM, TRAIN_STREAM, VAL_STREAM
@@ -115,3 +116,49 @@ def test_one_data_module_serves_one_sampler_or_one_per_split():
     torch.testing.assert_close(next(iter(shared.val_dataloader()))["noise"], next(iter(loaders[1]))["noise"])
     with pytest.raises(ValueError, match="one per split"):
         TaskDataModule({"train": constant(0), "test": constant(2)}, **sizes)
+
+
+@pytest.mark.parametrize("first_order", [False, True])
+def test_prequential_context_loss_is_the_mean_inner_loss_before_each_step_and_trains_through_it(first_order):
+    torch.manual_seed(0)
+    task_cfg = KVRecallConfig(n_pairs=3, n_queries=2, n_keys=4, n_values=4, filler_len=6, n_filler_tokens=2)
+    task = {k: torch.from_numpy(v) for k, v in sample_kv_recall(task_cfg, np.random.default_rng(1)).items()}
+    model = Transformer(
+        TransformerConfig(vocab_size=16, d_model=16, n_heads=2, window=2, attention="eager")
+    ).double()
+    inner = InnerLoopConfig(params=["layers.0.mlp.*"], steps=3, lr=0.5, first_order=first_order)
+    learners = {
+        mode: ContextLearner(
+            model,
+            inner,
+            OuterOptimConfig(),
+            1,
+            context_len=task_cfg.context_len,
+            chunks=ContextChunksConfig(chunk_len=4, context_loss_weight=0.5, context_loss=mode),
+        )
+        for mode in ("adapted", "prequential")
+    }
+    preq = learners["prequential"]
+    assert preq.scores_inner_losses and not learners["adapted"].scores_inner_losses
+    params = preq.initial_params()
+    grads = {}
+    for mode, learner in learners.items():
+        result = adapt_and_score(learner, learner.inner_loop, params, task)
+        grads[mode] = torch.autograd.grad(result.outer_loss, list(params.values()))
+        if mode == "prequential":
+            expected = result.metrics["query_loss"] + 0.5 * result.inner_losses.mean()
+            torch.testing.assert_close(result.outer_loss.detach(), expected)
+            torch.testing.assert_close(result.metrics["prequential_loss"], result.inner_losses.mean())
+    # the prequential term reaches the initial weights through the first chunk's loss and every step
+    adaptation = preq.inner_loop.adapt(
+        lambda p, step: preq.inner_loss(p, task, step), params, keep_loss_graphs=True
+    )
+    assert len(adaptation.loss_graphs) == 3 and all(loss.requires_grad for loss in adaptation.loss_graphs)
+    manual = torch.autograd.grad(torch.stack(adaptation.loss_graphs).mean(), list(params.values()))
+    assert any(m.abs().sum() > 0 for m in manual)
+    assert any(not torch.allclose(a, b) for a, b in zip(grads["adapted"], grads["prequential"]))
+
+
+def test_context_loss_choice_is_validated():
+    with pytest.raises(ValueError, match="context.context_loss"):
+        ContextChunksConfig(context_loss="sometimes")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -24,6 +24,9 @@ class Adaptation:
     """Adapted parameters by name, differentiable with respect to the initial ones (and the lrs)."""
     losses: list[torch.Tensor]
     """The inner loss before each step, detached scalars (one per step)."""
+    loss_graphs: list[torch.Tensor] = field(default_factory=list)
+    """The same losses still attached to their graphs (`adapt(keep_loss_graphs=True)`; else empty): an
+    outer loss may include them, e.g. the prequential loss of TTT-E2E (each chunk scored before its step)."""
 
 
 class InnerLoop(nn.Module):
@@ -103,10 +106,14 @@ class InnerLoop(nn.Module):
             retain_graph=retain_graph,
         )
 
-    def _loss_and_step(self, loss_fn: InnerLossFn, step: int, params: dict, state: dict, create_graph: bool):
+    def _loss_and_step(
+        self, loss_fn: InnerLossFn, step: int, params: dict, state: dict, create_graph: bool, keep_graph: bool
+    ):
         loss = loss_fn(params, step)
-        new_params, new_state = self.step(loss, params, state, create_graph=create_graph)
-        return new_params, new_state, loss.detach()
+        new_params, new_state = self.step(
+            loss, params, state, create_graph=create_graph, retain_graph=create_graph or keep_graph
+        )
+        return new_params, new_state, loss if keep_graph else loss.detach()
 
     def adapt(
         self,
@@ -115,13 +122,16 @@ class InnerLoop(nn.Module):
         *,
         steps: int | None = None,
         first_order: bool | None = None,
+        keep_loss_graphs: bool = False,
     ) -> Adaptation:
         """Run `steps` inner steps (default cfg.steps) from `params` (keyed like at construction).
 
         Second order (the default unless cfg.first_order): the returned params carry the graph of
         every inner gradient, so an outer loss differentiates through the steps exactly.
         First order: inner gradients are constants; the outer gradient still reaches the initial
-        params (and the learning rates) through the updates. Needs grad mode (inside torch.no_grad,
+        params (and the learning rates) through the updates. keep_loss_graphs: also return each step's
+        loss attached to its graph (`Adaptation.loss_graphs`; first order then keeps every step's forward
+        graph alive until the outer backward). Needs grad mode (inside torch.no_grad,
         wrap the call in torch.enable_grad()) and cannot run under torch.inference_mode.
         """
         if list(params) != self.names:
@@ -146,7 +156,10 @@ class InnerLoop(nn.Module):
                 current,
                 state,
                 not first_order,
+                keep_loss_graphs,
                 enabled=self.cfg.checkpoint,
             )
             losses.append(loss)
-        return Adaptation(params=current, losses=losses)
+        if not keep_loss_graphs:
+            return Adaptation(params=current, losses=losses)
+        return Adaptation(params=current, losses=[loss.detach() for loss in losses], loss_graphs=losses)

@@ -12,7 +12,11 @@ from .loop import InnerLoop
 
 
 class TaskObjective(Protocol):
-    """The two losses of a meta-learning problem, for one task."""
+    """The two losses of a meta-learning problem, for one task.
+
+    An objective whose `scores_inner_losses` attribute is True gets the inner losses too:
+    `outer_loss(params, task, inner_losses=[...])`, each step's loss before that step, still attached to
+    its graph (e.g. to add TTT-E2E's prequential loss to the outer loss)."""
 
     def inner_loss(self, params: dict[str, torch.Tensor], task: Any, step: int) -> torch.Tensor:
         """Scalar inner (adaptation) loss of `task` at inner step `step`, with adapted `params`."""
@@ -47,13 +51,18 @@ def adapt_and_score(
 ) -> TaskResult:
     """Adapt `initial_params` to one task with `inner_loop` (steps / first_order override its config) and
     take the task's outer loss with the adapted params."""
+    scores_inner = getattr(objective, "scores_inner_losses", False)
     adaptation = inner_loop.adapt(
         lambda params, step: objective.inner_loss(params, task, step),
         initial_params,
         steps=steps,
         first_order=first_order,
+        keep_loss_graphs=scores_inner,
     )
-    scored = objective.outer_loss(adaptation.params, task)
+    if scores_inner:
+        scored = objective.outer_loss(adaptation.params, task, inner_losses=adaptation.loss_graphs)
+    else:
+        scored = objective.outer_loss(adaptation.params, task)
     loss, metrics = (scored, {}) if torch.is_tensor(scored) else scored
     if not torch.is_tensor(loss) or loss.dim() != 0:
         raise ValueError(

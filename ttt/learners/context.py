@@ -5,9 +5,17 @@ A task is a token sequence `tokens` (N,) whose first `context_len` tokens are th
 context chunk by chunk: inner step i takes the next-token loss on chunk i mod n_chunks (with
 `left_context` earlier tokens fed for attention, not scored) and updates the adapted weights. The
 outer loss is the next-token loss on the answers, reading the whole sequence with the adapted weights,
-plus optionally (context_loss_weight > 0) the next-token loss on the context itself, as in TTT-E2E,
-whose meta-loss is the language-modelling loss of every chunk: it teaches the model to predict
-filler, so that chunks without information barely move the adapted weights.
+plus optionally (context_loss_weight > 0) a next-token loss on the context itself, as in TTT-E2E,
+whose meta-loss is the language-modelling loss of every chunk. `context.context_loss` says which:
+
+    adapted      the context read with the adapted weights after every inner step;
+    prequential  TTT-E2E's: the mean of the inner losses, each chunk scored before its own step (the
+                 first with the initial weights), differentiated through the earlier steps.
+
+The adapted form rewards inner steps that memorise the context (filler too), so the initial weights
+need not predict it; the prequential form scores every chunk before the weights trained on it, so
+what the initial weights can predict (a repeating filler) is learned by them, and chunks without
+new information leave the adapted weights alone.
 """
 
 from __future__ import annotations
@@ -17,10 +25,18 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ttt.config.choice import Choice
 from ttt.config.schema import OuterOptimConfig
 from ttt.inner import InnerLoopConfig
 from ttt.meta import MetaLearner
 from ttt.models import Transformer
+
+
+class ContextLoss(Choice):
+    """context.context_loss."""
+
+    adapted = "adapted"
+    prequential = "prequential"
 
 
 @dataclass
@@ -32,7 +48,10 @@ class ContextChunksConfig:
     left_context: int | None = None
     """Earlier tokens fed before each chunk as attention context (not scored); null: the model's window."""
     context_loss_weight: float = 0.0
-    """Weight of the context's next-token loss after adaptation in the outer loss (0: query loss only)."""
+    """Weight of the context's next-token loss (context_loss) in the outer loss (0: query loss only)."""
+    context_loss: ContextLoss = ContextLoss.adapted
+    """Which context loss: adapted (read after every inner step) or prequential (the mean of the inner
+    losses, each chunk scored before its own step, as TTT-E2E's meta-loss)."""
 
     def __post_init__(self):
         if self.chunk_len < 1:
@@ -41,6 +60,7 @@ class ContextChunksConfig:
             raise ValueError(f"context.left_context must be >= 0 or null, got {self.left_context}")
         if self.context_loss_weight < 0:
             raise ValueError(f"context.context_loss_weight must be >= 0, got {self.context_loss_weight}")
+        self.context_loss = ContextLoss.parse(self.context_loss, "context.context_loss")
 
 
 class ContextLearner(MetaLearner):
@@ -62,6 +82,8 @@ class ContextLearner(MetaLearner):
         self.context_len = context_len
         self.chunk_len = chunks.chunk_len
         self.context_loss_weight = chunks.context_loss_weight
+        self.scores_inner_losses = chunks.context_loss_weight > 0 and chunks.context_loss == "prequential"
+        """Whether outer_loss takes the inner losses (`ttt.inner.meta_step.TaskObjective`)."""
         self.left_context = (model.cfg.window or 0) if chunks.left_context is None else chunks.left_context
 
     @property
@@ -85,8 +107,15 @@ class ContextLearner(MetaLearner):
         return F.cross_entropy(logits.float(), tokens[start + 1 : end + 1])
 
     def outer_loss(
-        self, params: dict[str, torch.Tensor], task: dict[str, torch.Tensor]
+        self,
+        params: dict[str, torch.Tensor],
+        task: dict[str, torch.Tensor],
+        inner_losses: list[torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Query loss (+ context_loss_weight x the context loss) with adapted `params`, and metrics
+        (query_loss, query_acc, context_loss: the adapted one). inner_losses: each inner step's loss
+        before that step, attached to its graph (given when scores_inner_losses); their mean is the
+        prequential context loss (with no inner step: the first chunk's loss with `params`)."""
         tokens, query_mask = task["tokens"], task["query_mask"]
         positions = query_mask[:-1].nonzero()[:, 0]
         logits = self.forward_with(params, tokens[None, :-1])[0]
@@ -101,4 +130,9 @@ class ContextLearner(MetaLearner):
         }
         if self.context_loss_weight == 0:
             return query_loss, metrics
+        if self.scores_inner_losses:
+            context_loss = (
+                torch.stack(inner_losses).mean() if inner_losses else self.inner_loss(params, task, 0)
+            )
+            metrics["prequential_loss"] = context_loss.detach()
         return query_loss + self.context_loss_weight * context_loss, metrics

@@ -1,0 +1,498 @@
+"""Issue 13 measurements on one GPU, in one command, each part under its own time budget:
+
+    PYTHONPATH=. python benchmarks/portable.py --out portable_out
+
+Parts, in order of importance (a part starts no new case once its budget is spent, and records
+the cases it skipped; a failing case is recorded and the run goes on):
+  sweep       BoB launch settings for bob_rows / bob_cols (tiling.override), bf16, B=1, H=8,
+              N=16384, head dims 64 and 128: every setting causal, then the default and the causal
+              winner full. Per setting: median ms of the second-order call (triton.testing.do_bench),
+              ratio to torch's flash forward+backward measured in the same run, relative difference
+              of the four outputs to the default setting's (a wrong setting shows), bitwise
+              determinism on repeat, and the first call's seconds (its compilation).
+  precision   float32 products (fp32_precision tf32x3, tf32, then ieee), N=4096, causal, head dims
+              64 and 128: relative error against float64 of out, dq, dk, dv and the four BoB outputs
+              (B=1, H=2), next to plain PyTorch float32's error (TF32 off); and the ms of forward +
+              backward and of the BoB (B=1, H=8), with bf16's for scale.
+  first_call  one fresh process per (dtype, head dim, mask, GQA) family (4 side by side), with an
+              empty Triton cache (TRITON_CACHE_DIR a new directory): seconds to the first forward,
+              backward and BoB; then a call at N+1 in the (B, N, H, D) layout (other divisibility
+              of lengths and strides) and the number of kernels it compiled (0 wanted).
+  shared      free, from the launches above: each compiled kernel's shared memory against
+              kernels.tiling.shared_mem_estimate (to recalibrate the estimate).
+Writes OUT/results.csv and OUT/results.jsonl (every row) after each part and prints a short table
+last. --smoke runs every part at toy sizes, float16 standing in for bfloat16 (on the CPU under
+TRITON_INTERPRET=1: a test of the script).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+import kernels
+from kernels import tiling
+from kernels.environment import commit
+from kernels.reference import attention_naive
+
+SWEEP = {  # head dim 128 first: the larger gap to its goal
+    128: [
+        ("default", None, {}),
+        # one rows launch (18 products, not 21) with two warpgroups holding the three accumulators
+        ("rows fused 64x32 w8", "bob_rows", dict(SPLIT=False, BLOCK_M=64, BLOCK_N=32, num_warps=8)),
+        ("rows fused 64x64 w8", "bob_rows", dict(SPLIT=False, BLOCK_M=64, BLOCK_N=64, num_warps=8)),
+        ("rows fused 128x32 w8", "bob_rows", dict(SPLIT=False, BLOCK_M=128, BLOCK_N=32, num_warps=8)),
+        ("rows warp-specialized", "bob_rows", dict(WARP_SPECIALIZE=True)),
+        ("cols warp-specialized", "bob_cols", dict(WARP_SPECIALIZE=True)),
+        ("cols 32x128 w8", "bob_cols", dict(BLOCK_M=32, BLOCK_N=128, num_warps=8, num_stages=2)),
+    ],
+    64: [
+        ("default", None, {}),
+        ("rows warp-specialized", "bob_rows", dict(WARP_SPECIALIZE=True)),
+        ("cols warp-specialized", "bob_cols", dict(WARP_SPECIALIZE=True)),
+        ("rows 4 stages", "bob_rows", dict(num_stages=4)),
+        ("cols 3 stages", "bob_cols", dict(num_stages=3)),
+    ],
+}
+FAMILIES = [  # [dtype, head dim, mask, kv heads of 4 query heads, fp32_precision]
+    ["bf16", 64, "causal", 4, None],
+    ["bf16", 128, "full", 1, None],
+    ["fp32", 64, "causal", 4, None],
+    ["fp16", 256, "causal", 4, None],
+    ["fp32", 128, "causal", 2, "tf32x3"],
+    ["bf16", 80, "window", 2, None],
+    ["fp32", 64, "causal", 4, "tf32"],
+]
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+KERNEL_FNS = ("attention_forward_kernel", "attention_backward_dkdv_kernel", "attention_backward_dq_kernel",
+              "attention_bob_rows_kernel", "attention_bob_cols_kernel", "row_dot_kernel")
+
+
+def device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def seconds(fn) -> float:
+    sync()
+    start = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - start
+
+
+def free_memory() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def median_ms(fn, rep_ms: int) -> float:
+    """Median ms of fn (triton.testing.do_bench on CUDA; one timed call elsewhere)."""
+    if not torch.cuda.is_available():
+        return 1e3 * seconds(fn)
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=min(50, rep_ms // 4), rep=rep_ms, return_mode="median"))
+
+
+def rel(x: torch.Tensor, ref: torch.Tensor) -> float:
+    ref = ref.double()
+    return float((x.double() - ref).norm() / ref.norm().clamp_min(1e-300))
+
+
+def random_inputs(b, h_q, h_kv, n, d, dtype, seed=0, layout="bhnd"):
+    """q, dout, u_q (b, h_q, n, d); k, v, u_k, u_v (b, h_kv, n, d); as (B, N, H, D) storage if asked."""
+    gen = torch.Generator(device=device()).manual_seed(seed)
+
+    def make(h):
+        shape = (b, n, h, d) if layout == "bnhd" else (b, h, n, d)
+        t = torch.randn(shape, device=device(), dtype=torch.float64, generator=gen).to(dtype)
+        return t.transpose(1, 2) if layout == "bnhd" else t
+
+    return [make(h) for h in (h_q, h_kv, h_kv, h_q, h_q, h_kv, h_kv)]
+
+
+def mask_options(mask: str) -> dict:
+    return {"full": dict(causal=False, window=None), "causal": dict(causal=True, window=None),
+            "window": dict(causal=True, window=64)}[mask]
+
+
+def all_orders(attention, q, k, v, dout, u_q, u_k, u_v):
+    """out, (dq, dk, dv) and the BoB outputs through autograd, for an attention callable."""
+    q, k, v, dout = (t.detach().clone().requires_grad_() for t in (q, k, v, dout))
+    out = attention(q, k, v)
+    firsts = torch.autograd.grad(out, (q, k, v), dout, create_graph=True)
+    bob = torch.autograd.grad(firsts, (q, k, v, dout), (u_q, u_k, u_v))
+    return [out.detach(), *(f.detach() for f in firsts), *bob]
+
+
+def bob_call(attention, q, k, v, dout, u_q, u_k, u_v):
+    """The second-order call alone (graph built once), as a closure."""
+    q, k, v, dout = (t.detach().requires_grad_() for t in (q, k, v, dout))
+    firsts = torch.autograd.grad(attention(q, k, v), (q, k, v), dout, create_graph=True)
+    return lambda: torch.autograd.grad(firsts, (q, k, v, dout), (u_q, u_k, u_v), retain_graph=True)
+
+
+def fwd_bwd_call(attention, q, k, v, dout):
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    return lambda: torch.autograd.grad(attention(q, k, v), (q, k, v), dout)
+
+
+def ours(mask: str, fp32_precision=None):
+    opts = mask_options(mask)
+    def attention(q, k, v):
+        return kernels.flash_attention(q, k, v, **opts, backend="triton", fp32_precision=fp32_precision)
+
+    return attention
+
+
+def torch_flash(mask: str):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = SDPBackend.FLASH_ATTENTION if torch.cuda.is_available() else SDPBackend.MATH
+
+    def attention(q, k, v):
+        with sdpa_kernel(backend):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=mask != "full")
+
+    return attention
+
+
+class Run:
+    """Rows, budgets and output files of one invocation."""
+
+    def __init__(self, args):
+        self.args, self.rows = args, []
+        os.makedirs(args.out, exist_ok=True)
+
+    def record(self, part: str, **fields) -> None:
+        row = {"part": part, **fields}
+        self.rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    def save(self) -> None:
+        names = list(dict.fromkeys(k for row in self.rows for k in row))
+        with open(os.path.join(self.args.out, "results.csv"), "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=names, restval="")
+            writer.writeheader()
+            writer.writerows(self.rows)
+        with open(os.path.join(self.args.out, "results.jsonl"), "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in self.rows)
+
+
+def failure(exc: BaseException) -> str:
+    return f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+
+
+def part_sweep(run: Run, budget: float) -> None:
+    a = run.args
+    start = time.monotonic()
+    for d, settings in SWEEP.items():
+        settings = settings[:a.settings]
+        winner = None
+        for mask in ("causal", "full"):
+            q, k, v, dout, u_q, u_k, u_v = random_inputs(1, a.heads, a.heads, a.n_sweep, d, DTYPES[a.low])
+            flash_ms = median_ms(fwd_bwd_call(torch_flash(mask), q, k, v, dout), a.rep_ms)
+            bob = bob_call(ours(mask), q, k, v, dout, u_q, u_k, u_v)
+            chosen = settings if mask == "causal" else [s for s in settings if s[0] in ("default", winner)]
+            reference = None
+            for name, kernel, override in chosen:
+                base = dict(part_d=d, mask=mask, setting=name, override=json.dumps(override),
+                            flash_ms=flash_ms)
+                if time.monotonic() - start > budget:
+                    run.record("sweep", **base, status="skipped: budget")
+                    continue
+                try:
+                    with tiling.override(kernel, **override) if kernel else contextlib.nullcontext():
+                        first_s = seconds(bob)
+                        got = bob()
+                        again = bob()
+                        ms = median_ms(bob, a.rep_ms)
+                    deterministic = all(torch.equal(x, y) for x, y in zip(got, again))
+                    if reference is None:
+                        reference = got
+                    diff = max(rel(x, y) for x, y in zip(got, reference))
+                    run.record("sweep", **base, ms=ms, ratio=ms / flash_ms, rel_diff_to_default=diff,
+                               deterministic=deterministic, first_call_s=first_s,
+                               status="ok" if diff < 2e-2 and deterministic else "WRONG?")
+                except Exception as exc:  # a setting may not compile or fit: record it and go on
+                    run.record("sweep", **base, status=failure(exc))
+            if mask == "causal":
+                ok = [r for r in run.rows if r["part"] == "sweep" and r.get("part_d") == d and r.get("ms")
+                      and r["mask"] == "causal" and r["status"] == "ok"]
+                best = min(ok, key=lambda r: r["ms"], default=None)
+                winner = best["setting"] if best and best["setting"] != "default" else None
+            del bob
+            free_memory()
+
+
+def precision_case(a, d: int) -> dict:
+    """Inputs of one head dim: float64 and float32 copies (B=1, H=2), the float64 reference of
+    every stage output, plain PyTorch float32's errors (TF32 off), and timing inputs (B=1, H)."""
+    full = random_inputs(1, 2, 2, a.n_precision, d, torch.float64, seed=1)
+    low = [t.float() for t in full]
+
+    def naive(q, k, v):
+        return attention_naive(q, k, v, causal=True, window=None, scale=d**-0.5)
+
+    ref = all_orders(naive, *full)
+    tf32_matmul = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        torch_err = [rel(x, r) for x, r in zip(all_orders(naive, *low), ref)]
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32_matmul
+    timing = random_inputs(1, a.heads, a.heads, a.n_precision, d, torch.float32, seed=2)
+    return {"low": low, "ref": ref, "torch_err": torch_err, "timing": timing}
+
+
+def part_precision(run: Run, budget: float) -> None:
+    """Modes outermost, the candidate defaults first: IEEE (the slowest to compile) is the baseline
+    of speed only; the error criterion is plain PyTorch float32's."""
+    a = run.args
+    start = time.monotonic()
+    names = ("out", "dq", "dk", "dv", "grad_q", "grad_k", "grad_v", "grad_dout")
+    cases = {d: precision_case(a, d) for d in a.precision_d}
+    for mode in ("tf32x3", "tf32", "ieee", a.low):
+        for d, case in cases.items():
+            base = dict(part_d=d, mode=mode, n=a.n_precision)
+            if time.monotonic() - start > budget:
+                run.record("precision", **base, status="skipped: budget")
+                continue
+            try:
+                inputs = [t.to(DTYPES[a.low]) for t in case["timing"]] if mode == a.low else case["timing"]
+                attention = ours("causal", None if mode == a.low else mode)
+                errors, first_s = {}, None
+                if mode != a.low:
+                    t0 = time.perf_counter()
+                    got = all_orders(attention, *case["low"])
+                    sync()
+                    first_s = time.perf_counter() - t0
+                    pairs = list(zip(names, got, case["ref"], case["torch_err"]))
+                    errors = {f"err_{n}": rel(x, r) for n, x, r, _ in pairs}
+                    errors.update({f"torch_err_{n}": e for n, _, _, e in pairs})
+                    errors["worst_ratio_to_torch"] = max(rel(x, r) / max(e, 1e-30) for _, x, r, e in pairs)
+                fwd_bwd_ms = median_ms(fwd_bwd_call(attention, *inputs[:4]), a.rep_ms)
+                bob_ms = median_ms(bob_call(attention, *inputs), a.rep_ms)
+                run.record("precision", **base, fwd_bwd_ms=fwd_bwd_ms, bob_ms=bob_ms, first_call_s=first_s,
+                           **errors, status="ok")
+            except Exception as exc:
+                run.record("precision", **base, status=failure(exc))
+    del cases
+    free_memory()
+
+
+def compiled_count() -> int | None:
+    """Kernels compiled so far in this process (None under the interpreter, which compiles none)."""
+    from kernels import _backward, _bob, _forward
+
+    total = 0
+    for name in KERNEL_FNS:
+        fn = next(getattr(m, name) for m in (_forward, _backward, _bob) if hasattr(m, name))
+        caches = getattr(fn, "device_caches", None)
+        if caches is None:
+            return None
+        total += sum(len(cache[0]) for cache in caches.values())
+    return total
+
+
+def first_call_child(family: list, n: int) -> dict:
+    """Run in a fresh process: first-call seconds of one family, then a call at n + 1 in the
+    (B, N, H, D) layout and the kernels it compiled."""
+    dtype, d, mask, h_kv, precision = family
+    attention = ours(mask, precision)
+    times = {}
+    for label, size, layout in (("first", n, "bhnd"), ("second", n + 1, "bnhd")):
+        q, k, v, dout, u_q, u_k, u_v = random_inputs(1, 4, h_kv, size, d, DTYPES[dtype], layout=layout)
+        before = compiled_count()
+        q, k, v, dout = (t.requires_grad_() for t in (q, k, v, dout))
+        t0 = time.perf_counter()
+        out = attention(q, k, v)
+        sync()
+        t1 = time.perf_counter()
+        firsts = torch.autograd.grad(out, (q, k, v), dout, create_graph=True)
+        sync()
+        t2 = time.perf_counter()
+        torch.autograd.grad(firsts, (q, k, v, dout), (u_q, u_k, u_v))
+        sync()
+        t3 = time.perf_counter()
+        after = compiled_count()
+        times.update({f"{label}_forward_s": t1 - t0, f"{label}_backward_s": t2 - t1,
+                      f"{label}_bob_s": t3 - t2,
+                      f"{label}_total_s": t3 - t0,
+                      f"{label}_compiled": None if before is None else after - before})
+    return times
+
+
+def part_first_call(run: Run, budget: float) -> None:
+    """One fresh process per family, --first-call-jobs of them side by side (compilation is
+    single-threaded per process; the GPU machine has cores to spare); a child still running at
+    the end of the budget is killed and recorded as such."""
+    deadline = time.monotonic() + budget
+    script = os.path.abspath(__file__)
+    pending = [[run.args.low if f[0] == "bf16" else f[0], *f[1:]] for f in FAMILIES[:run.args.families]]
+    running = []
+    while pending or running:
+        while pending and len(running) < run.args.first_call_jobs and deadline - time.monotonic() > 5:
+            family = pending.pop(0)
+            env = dict(os.environ, TRITON_CACHE_DIR=tempfile.mkdtemp(prefix="flashbob_cache_"))
+            cmd = [sys.executable, script, "--child-first-call", json.dumps(family),
+                   "--n-first", str(run.args.n_first)]
+            logs = tuple(os.path.join(env["TRITON_CACHE_DIR"], name) for name in ("stdout", "stderr"))
+            with open(logs[0], "w") as out, open(logs[1], "w") as err:
+                running.append((family, subprocess.Popen(cmd, env=env, stdout=out, stderr=err), logs))
+        if not running:
+            for family in pending:
+                run.record("first_call", **family_fields(family), status="skipped: budget")
+            return
+        time.sleep(0.2)
+        for item in list(running):
+            family, proc, logs = item
+            if proc.poll() is None and time.monotonic() < deadline:
+                continue
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+                status = {"status": "failed: still running at the end of the budget"}
+            elif proc.returncode != 0:
+                tail = read(logs[1]).strip().splitlines()[-1:] or [""]
+                status = {"status": f"failed: rc {proc.returncode}: {tail[0][:200]}"}
+            else:
+                status = {**json.loads(read(logs[0]).strip().splitlines()[-1]), "status": "ok"}
+            run.record("first_call", **family_fields(family), **status)
+            running.remove(item)
+
+
+def read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def family_fields(family: list) -> dict:
+    dtype, d, mask, h_kv, precision = family
+    return dict(dtype=dtype, part_d=d, mask=mask, gqa=f"4:{h_kv}", mode=precision or "default")
+
+
+def listen(shared_rows: dict):
+    """A tiling.launch_listener that keeps one row per distinct compiled launch."""
+
+    def listener(kernel, cfg, estimate, compiled, itemsize, precision):
+        metadata = getattr(compiled, "metadata", None)
+        key = (kernel, json.dumps(cfg, sort_keys=True), itemsize, precision)
+        if key not in shared_rows:
+            shared_rows[key] = dict(kernel=kernel, settings=key[1], itemsize=itemsize, mode=precision,
+                                    estimate=estimate, shared=getattr(metadata, "shared", None))
+
+    return listener
+
+
+def summary(rows: list[dict]) -> str:
+    lines = ["part        | case                                   | result"]
+    for r in rows:
+        if r["part"] == "meta":
+            if r.get("status", "ok") != "ok":
+                lines.append(f"{'meta':<11} | part {r['finished']:<33} | {r['status']}")
+            continue
+        if r["part"] == "sweep":
+            case = f"d{r['part_d']} {r['mask']} {r['setting']}"
+            result = (f"{r['ms']:.2f} ms, {r['ratio']:.2f}x flash, diff {r['rel_diff_to_default']:.1e}, "
+                      f"det {r['deterministic']}, {r['status']}") if r.get("ms") else r["status"]
+        elif r["part"] == "precision":
+            case = f"d{r['part_d']} {r['mode']}"
+            worst = r.get("worst_ratio_to_torch")
+            result = (f"bob {r['bob_ms']:.2f} ms, fwd+bwd {r['fwd_bwd_ms']:.2f} ms"
+                      + (f", worst err / torch fp32 {worst:.2f}" if worst is not None else "")
+                      if r.get("bob_ms") else r["status"])
+        elif r["part"] == "first_call":
+            case = f"{r['dtype']} d{r['part_d']} {r['mask']} {r['gqa']} {r['mode']}"
+            result = (f"first {r['first_total_s']:.1f} s, at N+1 {r['second_total_s']:.2f} s, "
+                      f"compiled {r['second_compiled']}") if r["status"] == "ok" else r["status"]
+        elif r.get("shared") is not None:
+            cfg = json.loads(r["settings"])
+            case = (f"{r['kernel']} {r['itemsize']}B {r['mode']} {cfg['BLOCK_M']}x{cfg['BLOCK_N']}x"
+                    f"{cfg['BLOCK_D']} w{cfg['num_warps']} s{cfg['num_stages']}")
+            result = f"shared {r['shared'] / 1024:.0f} KiB, estimate {r['estimate'] / 1024:.0f} KiB"
+        else:
+            continue
+        lines.append(f"{r['part']:<11} | {case:<38} | {result}")
+    return "\n".join(lines)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="portable_out", help="directory for results.csv and results.jsonl")
+    p.add_argument("--parts", default="sweep,precision,first_call", help="comma-separated subset, in order")
+    p.add_argument("--budget-sweep", type=float, default=170.0, help="seconds")
+    p.add_argument("--budget-precision", type=float, default=110.0, help="seconds")
+    p.add_argument("--budget-first-call", type=float, default=75.0, help="seconds")
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--n-sweep", type=int, default=16384)
+    p.add_argument("--n-precision", type=int, default=4096)
+    p.add_argument("--n-first", type=int, default=1000)
+    p.add_argument("--precision-d", default="64,128", help="comma-separated head dims of the precision part")
+    p.add_argument("--rep-ms", type=int, default=200, help="do_bench's timed milliseconds per measurement")
+    p.add_argument("--settings", type=int, default=99, help="first SETTINGS sweep settings per head dim")
+    p.add_argument("--families", type=int, default=len(FAMILIES), help="first FAMILIES first-call families")
+    p.add_argument("--first-call-jobs", type=int, default=4, help="first-call processes side by side")
+    p.add_argument("--smoke", action="store_true", help="toy sizes (a test of this script; CPU or GPU)")
+    p.add_argument("--child-first-call", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.parts = [x for x in args.parts.split(",") if x]
+    args.precision_d = [int(x) for x in args.precision_d.split(",") if x]
+    unknown = set(args.parts) - {"sweep", "precision", "first_call"}
+    if unknown:
+        p.error(f"--parts: unknown {sorted(unknown)}; choose from sweep, precision, first_call")
+    args.low = "bf16"
+    if args.smoke:  # float16 for bfloat16: the interpreter's bfloat16 is wrong
+        args.heads, args.n_sweep, args.n_precision, args.n_first, args.rep_ms = 2, 20, 17, 17, 4
+        args.low = "fp16"
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.child_first_call:
+        print(json.dumps(first_call_child(json.loads(args.child_first_call), args.n_first)))
+        return
+    if not torch.cuda.is_available() and not args.smoke:
+        raise SystemExit("benchmarks/portable.py needs a CUDA GPU (or --smoke under TRITON_INTERPRET=1)")
+    run = Run(args)
+    run.record("meta", gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+               torch=torch.__version__, commit=commit(), command=" ".join(sys.argv),
+               limits=str(tiling.device_limits(torch.device(device()))))
+    shared_rows: dict = {}
+    tiling.launch_listener = listen(shared_rows)
+    parts = {"sweep": (part_sweep, args.budget_sweep), "precision": (part_precision, args.budget_precision),
+             "first_call": (part_first_call, args.budget_first_call)}
+    for name in args.parts:
+        fn, budget = parts[name]
+        t0 = time.monotonic()
+        try:
+            fn(run, budget)
+            status = "ok"
+        except Exception as exc:  # a part's setup failed (e.g. out of memory): the next part still runs
+            status = failure(exc)
+            free_memory()
+        run.record("meta", finished=name, seconds=time.monotonic() - t0, status=status)
+        run.save()
+    for row in shared_rows.values():
+        run.record("shared", **row)
+    run.save()
+    print(summary(run.rows))
+
+
+if __name__ == "__main__":
+    main()
