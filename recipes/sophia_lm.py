@@ -39,6 +39,12 @@ def build(cfg: Config) -> tuple[OptimizerComparisonLearner, TaskDataModule]:
             f"model.vocab_size ({cfg.model.vocab_size}) must be >= the tokenizer's vocabulary "
             f"({tokenizer.vocab_size})"
         )
+    if cfg.trainer.devices > 1 or cfg.trainer.strategy == "ddp":
+        raise ValueError(
+            "trainer.devices > 1 / trainer.strategy=ddp is not supported by sophia_lm: each of the two "
+            "models' backward passes reaches only its own half of the parameters, and the Hessian "
+            "estimates are per process; use one device"
+        )
     if cfg.trainer.precision == "16-mixed":
         raise ValueError(
             "trainer.precision=16-mixed is not supported by sophia_lm: the baseline optimizer is stepped "

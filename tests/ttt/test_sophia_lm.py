@@ -195,6 +195,8 @@ def test_equal_time_comparison_interpolates_the_slower_curve():
         ("compare.baseline=sophia_h", "compare.baseline must be one of adamw, adam, sgd"),
         ("compare.baseline_lr=0", "compare.baseline_lr must be > 0"),
         ("compare.hessian_sequences=0", "compare.hessian_sequences must be >= 1"),
+        ("trainer.devices=2", "trainer.devices > 1 / trainer.strategy=ddp is not supported by sophia_lm"),
+        ("trainer.precision=16-mixed", "trainer.precision=16-mixed is not supported by sophia_lm"),
     ],
 )
 def test_bad_comparison_settings_name_the_key(override, message, tiny_sophia_lm):

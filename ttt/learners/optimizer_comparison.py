@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -138,7 +137,7 @@ class OptimizerComparisonLearner(OuterLearner):
 
     model: the initial model (copied once per optimizer). optim: the Hessian optimizer (sophia_h or
     adahessian); compare: the baseline and the Hessian estimate. total_steps: schedule length. seed:
-    seeds the Rademacher probes (rank r of a ddp run draws with [seed, r])."""
+    seeds the Rademacher probes. One process (no ddp: recipes/sophia_lm.py refuses it)."""
 
     progress_metric = "loss"
 
@@ -197,19 +196,12 @@ class OptimizerComparisonLearner(OuterLearner):
 
         return pass_loss
 
-    def pass_loss(self, batch_pass, batch_size):
-        """The Hessian optimizer's model's pass loss (`arm_loss`)."""
-        return self.arm_loss(self.hessian_name)(batch_pass, batch_size)
-
     def feed(self, optimizer: torch.optim.Optimizer) -> HessianFeed:
         """The Hessian optimizer's `HessianFeed` (built at first use, with the probe generator restored
         from a checkpoint when resuming)."""
         if self._feed is None:
             model = self.models[self.hessian_name]
             generator = torch.Generator(device=self.device).manual_seed(self.seed)
-            if self.trainer is not None and self.trainer.world_size > 1:  # each process its own probes
-                rank = self.trainer.global_rank
-                generator.manual_seed(int(np.random.SeedSequence([self.seed, rank]).generate_state(1)[0]))
             if self._probe_state is not None:
                 generator.set_state(self._probe_state)
             self._feed = HessianFeed(
@@ -223,8 +215,7 @@ class OptimizerComparisonLearner(OuterLearner):
 
     def _hessian_kwargs(self, optimizer, tokens: torch.Tensor, seconds: list[float]) -> Callable[[], dict]:
         """The step_kwargs of `outer_step` for the Hessian optimizer: the estimate on due steps (on the
-        first compare.hessian_sequences sequences; averaged over processes under ddp), timed into
-        `seconds`."""
+        first compare.hessian_sequences sequences), timed into `seconds` (0 on steps without one)."""
 
         def step_kwargs() -> dict[str, Any]:
             start = self._now()
@@ -232,9 +223,6 @@ class OptimizerComparisonLearner(OuterLearner):
             model = self.models[self.hessian_name]
             loss_fn, _ = module_loss_fn(model, dict(model.named_parameters()), rows, next_token_loss)
             kwargs = self.feed(optimizer).step_kwargs(loss_fn)
-            if kwargs and self.trainer.world_size > 1:
-                reduce = self.trainer.strategy.reduce
-                kwargs["hessian"] = [reduce(h, reduce_op="mean") for h in kwargs["hessian"]]
             seconds.append(self._now() - start if kwargs else 0.0)
             return kwargs
 
