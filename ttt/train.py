@@ -228,7 +228,7 @@ def run(
     Returns the summary: test figures without their "test/" prefix (query_loss_unadapted,
     query_loss_adapted, query_acc_* where the task has an accuracy, ...), time_per_outer_step_s
     (mean after the first step of this session), first_outer_step_s, peak_memory_gib (CUDA only,
-    else None), outer_steps, wall_time_s, run_dir.
+    else None), outer_steps, wall_time_s, run_dir; and the learner's own `summary_figures()`.
     """
     from recipes import load_builder
 
@@ -268,6 +268,7 @@ def run(
         wall_time_s=time.perf_counter() - start,
         run_dir=str(paths.root),
     )
+    summary.update(module.summary_figures())  # last: a learner may refine a figure (peak_memory_gib)
     if trainer.is_global_zero:
         write_summary(paths.summary, summary)
         write_run_report(paths.root, summary)

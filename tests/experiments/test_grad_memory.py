@@ -222,3 +222,75 @@ def test_help_lists_the_keys(capsys):
     assert grad_memory.main(["--help"]) == 0
     out = capsys.readouterr().out
     assert "max_minutes = 5.0" in out and "backends" in out and "preset = auto" in out
+
+
+HVP_SWEEP = ["preset=cpu", "workload=hvp", "n_kv_heads=1", "tie_embeddings=true"]
+
+
+def test_hvp_workload_measures_gradient_and_hvp_per_backend(tmp_path):
+    cfg = load([*HVP_SWEEP, "n_sweep.ns=[24,16]", f"out={tmp_path}"], cuda_available=False)
+    rows = grad_memory.run(cfg)
+    # backend x (gradient, HVP) x N, N ascending within each series; k and checkpointing do not apply
+    assert [(r["backend"], r["order"], r["n"]) for r in rows] == [
+        (b, o, n) for b in ("flashbob", "eager", "sdpa_math") for o in ("first", "second") for n in (16, 24)
+    ]
+    for row in rows:
+        assert row["status"] == "ok", row
+        assert row["k"] == 1 and row["checkpoint"] is False and row["predicted_gib"] is None
+        assert row["seconds"] > 0 and row["params_gib"] < row["saved_gib"] < row["peak_gib"]
+    assert sum(r["first_call_s"] is not None for r in rows) == 6  # one warm-up per (backend, order)
+    by_point = {(r["backend"], r["order"], r["n"]): r for r in rows}
+    for backend in ("flashbob", "eager", "sdpa_math"):
+        for n in (16, 24):  # the HVP keeps the gradient's graph and differentiates it again
+            gradient, product = by_point[(backend, "first", n)], by_point[(backend, "second", n)]
+            assert product["saved_gib"] > 1.5 * gradient["saved_gib"], (backend, n)
+            assert product["peak_gib"] > gradient["peak_gib"], (backend, n)
+    table = (tmp_path / "table.md").read_text()
+    assert "hvp: 2 layers, d_model 32, 2 heads (1 key/value) of 16" in table and "tied embeddings" in table
+    assert "- flashbob, N=24: HVP / gradient time" in table and "- eager, HVP: largest N that ran 24" in table
+    assert _strict_json(tmp_path / "environment.json")["workload"] == "hvp"
+    assert {p.name for p in tmp_path.glob("*.png")} == {"memory_vs_n.png", "time_vs_n.png"}
+
+
+def test_hvp_workload_is_the_second_order_product(monkeypatch):
+    """The step of order second runs ttt.second_order.hvp over every parameter, along +-1 entries."""
+    from ttt.experiments import workloads
+
+    calls = []
+
+    def recording(loss_fn, params, vector):
+        calls.append((set(params), {float(v) for t in vector.values() for v in t.unique()}))
+        return {}
+
+    monkeypatch.setattr(workloads, "hvp", recording)
+    setup = grad_memory.resolve(load(HVP_SWEEP, cuda_available=False))
+    model, step = workloads.build(setup, Point("eager", 16, 1, "second", False))
+    step()
+    assert calls == [(set(dict(model.named_parameters())), {-1.0, 1.0})]
+
+
+def test_an_hvp_oom_stops_the_hvp_series_only(tmp_path, monkeypatch):
+    from ttt.experiments import workloads
+
+    real_hvp, calls = workloads.hvp, []
+
+    def out_of_memory_from_32(loss_fn, params, vector):
+        calls.append(None)
+        if len(calls) > 2:  # N=16: a warm-up and a measured HVP; then N=32
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real_hvp(loss_fn, params, vector)
+
+    monkeypatch.setattr(workloads, "hvp", out_of_memory_from_32)
+    cfg = load(
+        [*HVP_SWEEP, "n_sweep.ns=[16,32,48]", "backends=[eager]", f"out={tmp_path}"], cuda_available=False
+    )
+    rows = {(r["order"], r["n"]): r["status"] for r in grad_memory.run(cfg)}
+    assert rows == {
+        ("first", 16): "ok",
+        ("first", 32): "ok",
+        ("first", 48): "ok",
+        ("second", 16): "ok",
+        ("second", 32): "oom",
+        ("second", 48): "skipped (oom at N=32, k=1)",
+    }
+    assert "- eager, HVP: largest N that ran 16; first OOM at N=32" in (tmp_path / "table.md").read_text()

@@ -83,7 +83,8 @@ def test_a_recipe_extends_its_base_and_bad_bases_are_errors(tmp_path):
 
 
 def test_the_16k_configs_extend_their_cpu_recipes():
-    for name, base in (("maml_longctx_16k", "maml_longctx"), ("ttt_e2e_16k", "ttt_e2e")):
+    pairs = (("maml_longctx_16k", "maml_longctx"), ("ttt_e2e_16k", "ttt_e2e"), ("sophia_lm_16k", "sophia_lm"))
+    for name, base in pairs:
         assert OmegaConf.load(available_recipes()[name]).base == base
         big, small = load_config([f"recipe={name}"]), load_config([f"recipe={base}"])
         assert big.builder == small.builder and big.optim.weight_decay == small.optim.weight_decay

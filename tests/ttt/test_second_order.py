@@ -1,10 +1,9 @@
 """ttt.second_order: Hessian-vector products against forward-over-reverse, through the torch path in
 float64 and the FlashBoB Triton kernels (CPU interpreter) in float32; Hutchinson's estimate against
-the exact diagonal; the errors; the HVP cost measurement and its benchmark script."""
+the exact diagonal; the errors. (The cost of one HVP as context grows: the hvp workload of
+tests/experiments/test_grad_memory.py.)"""
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +14,6 @@ import kernels
 import kernels.triton_ops
 from ttt.models import ATTENTION_BACKENDS, Transformer, TransformerConfig
 from ttt.second_order import hutchinson_diagonal, hvp, module_loss_fn
-from ttt.second_order.measure import attention_backend, measure_hvp, sweep_contexts
 
 
 def next_token_ce(logits, tokens):
@@ -190,54 +188,3 @@ def test_bad_params_losses_and_probe_counts_are_named():
         module_loss_fn(model, "layers.*", None, next_token_ce)
     with pytest.raises(ValueError, match="'w' is not a parameter"):
         module_loss_fn(model, {"w": torch.ones(1)}, None, next_token_ce)
-
-
-def test_measure_hvp_reports_each_backend_and_restores_the_model():
-    model = tiny_model(torch.float32, attention="eager")
-    tokens = torch.randint(0, 23, (1, 32), generator=torch.Generator().manual_seed(0))
-    for backend in ATTENTION_BACKENDS:
-        row = measure_hvp(model, tokens, backend, repeats=1)
-        assert row["status"] == "ok", row["error"]
-        assert row["n_tokens"] == 32 and row["backend"] == backend
-        assert row["executes"] == ("sdpa_math" if backend == "sdpa_math" else "torch")
-        assert row["hvp_peak_gib"] > row["grad_peak_gib"] > row["params_gib"] > 0
-        assert row["hvp_over_grad_s"] == row["hvp_s"] / row["grad_s"]
-    assert all(layer.attn.cfg.attention == "eager" for layer in model.layers)
-    with pytest.raises(ValueError, match="tokens must be a \\(batch, seq\\) int64 tensor"):
-        measure_hvp(model, tokens.float(), "eager")
-
-
-def test_an_oom_is_recorded_and_stops_that_backend(monkeypatch):
-    import ttt.second_order.measure as measure
-
-    model = tiny_model(torch.float32)
-
-    def out_of_memory(*args, **kwargs):
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-
-    monkeypatch.setattr(measure, "hvp", out_of_memory)
-    rows = sweep_contexts(model, [16, 8], ["eager"], repeats=1)
-    assert [(r["n_tokens"], r["status"]) for r in rows] == [(8, "oom"), (16, "skipped")]
-    assert rows[0]["oom_in"] == "hvp" and rows[0]["grad_s"] is not None and rows[0]["hvp_s"] is None
-    assert rows[1]["error"] == "oom at N=8"
-
-
-def test_attention_backend_switch_names_the_choices():
-    with pytest.raises(ValueError, match="flashbob"), attention_backend(tiny_model(torch.float32), "flash"):
-        pass
-
-
-def test_hvp_context_benchmark_writes_its_table(tmp_path):
-    path = Path(__file__).parents[2] / "benchmarks" / "hvp_context.py"
-    spec = importlib.util.spec_from_file_location("hvp_context", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    args = ["--device", "cpu", "--contexts", "24,16", "--n-layers", "1", "--d-model", "16", "--n-heads", "2"]
-    args += ["--n-kv-heads", "1", "--d-ff", "32", "--vocab", "32", "--dtype", "fp32", "--repeats", "1"]
-    rows = script.main([*args, "--out", str(tmp_path)])
-    assert [(r["n_tokens"], r["backend"]) for r in rows] == [
-        (n, b) for n in (16, 24) for b in ATTENTION_BACKENDS
-    ]
-    table = (tmp_path / "table.md").read_text()
-    assert table.count("| ok |") == 6 and "hvp_context.py --device cpu" in table
-    assert (tmp_path / "results.json").exists()

@@ -2,13 +2,14 @@
 
     python -m ttt.experiments.grad_memory [key=value ...]      # --help lists the keys; docs/grad_memory.md
 
-For each point (backend, N, k, first/second order, inner-step checkpointing) it runs one full meta
-step of a workload (`workloads`: the maml_longctx transformer with adapted MLPs, or TTT-E2E) through
-`meta_step_probe` and records peak memory, bytes saved for backward, the back-of-envelope predictions
-of both (`memory_model`), wall time, and whether it ran out of memory. The first point of each
-(backend, order) pair also runs a warm-up step (compilation), timed apart. A failed point is recorded
-(oom / error) and the larger points of its series (same backend, order and checkpointing, N and k at
-least as large) are skipped; no point starts after `max_minutes`; results.csv is rewritten after
+For each point (backend, N, k, first/second order, inner-step checkpointing) it runs one full meta step
+of a workload (`workloads`: the maml_longctx transformer with adapted MLPs, or TTT-E2E; or, with
+workload=hvp, one Hessian-vector product of a transformer's loss and the gradient it is compared with)
+through `meta_step_probe` and records peak memory, bytes saved for backward, the back-of-envelope
+predictions of both (`memory_model`), wall time, and whether it ran out of memory. The first point of
+each (backend, order) pair also runs a warm-up step (compilation), timed apart. A failed point is
+recorded (oom / error) and the larger points of its series (same backend, order and checkpointing, N and
+k at least as large) are skipped; no point starts after `max_minutes`; results.csv is rewritten after
 every point. environment.json is written first; results.json, table.md and the plots at the end.
 
 The defaults are the GPU experiment; preset=cpu (chosen by preset=auto without CUDA) applies
@@ -103,8 +104,10 @@ class GradMemoryConfig:
     dtype: Dtype = Dtype.auto
     """Parameter dtype: bf16, fp16, fp32, or auto (bf16 on CUDA, fp32 on the CPU)."""
     workload: Workload = Workload.maml
-    """maml (the maml_longctx transformer, k inner steps on a whole sequence) or ttt_e2e (TTT-E2E:
-    fast-weight MLPs in the last suffix_len blocks, k inner steps per chunk of chunk_len tokens)."""
+    """maml (the maml_longctx transformer, k inner steps on a whole sequence), ttt_e2e (TTT-E2E:
+    fast-weight MLPs in the last suffix_len blocks, k inner steps per chunk of chunk_len tokens) or hvp
+    (one Hessian-vector product of the next-token loss over every parameter, and the gradient it is
+    compared with: only n_sweep.ns is used, each N as order first = gradient and second = HVP)."""
     window: int | None = None
     """Sliding attention window; null: full causal attention (what the memory model assumes)."""
     chunk_len: int = 1024
@@ -119,6 +122,12 @@ class GradMemoryConfig:
     """Attention heads."""
     head_dim: int = 64
     """Width of one head."""
+    n_kv_heads: int | None = None
+    """Key/value heads (grouped-query attention); null: n_heads."""
+    d_ff: int | None = None
+    """SwiGLU hidden width; null: 8/3 d_model rounded up to a multiple of 32."""
+    tie_embeddings: bool = False
+    """Use the embedding matrix as the output head."""
     vocab_size: int = 256
     """Vocabulary (the tokens are random)."""
     adapted: list[str] | None = None
@@ -178,7 +187,14 @@ def load(overrides: list[str], *, cuda_available: bool) -> GradMemoryConfig:
 
 def sweep_points(cfg: GradMemoryConfig) -> list[Point]:
     """The points of the sweeps in SWEEPS order, without repeats; within a sweep, per backend, order and
-    checkpointing, N then k ascending (so that a failure can skip what follows)."""
+    checkpointing, N then k ascending (so that a failure can skip what follows). workload=hvp: per
+    backend, the gradient (order first) then the HVP (second) at every N of n_sweep, k=1, no
+    checkpointing."""
+    if cfg.workload == Workload.hvp:
+        orders = (Order.first, Order.second)
+        return [
+            Point(b, n, 1, o, False) for b in cfg.backends for o in orders for n in sorted(cfg.n_sweep.ns)
+        ]
     points: dict[Point, None] = {}
     for sweep in (getattr(cfg, name) for name in SWEEPS):
         for backend in cfg.backends:
@@ -210,6 +226,9 @@ def resolve(cfg: GradMemoryConfig) -> ProbeSetup:
         n_layers=cfg.n_layers,
         n_heads=cfg.n_heads,
         head_dim=cfg.head_dim,
+        n_kv_heads=cfg.n_kv_heads,
+        d_ff=cfg.d_ff,
+        tie_embeddings=cfg.tie_embeddings,
         window=cfg.window,
     )
     adapted = list(cfg.adapted or DEFAULT_ADAPTED[cfg.workload])
@@ -248,11 +267,15 @@ def summary(setup: ProbeSetup) -> str:
     """One line naming the workload, the model and the adapted parameters."""
     m = setup.model.resolved()
     text = (
-        f"{setup.workload}: {m.n_layers} layers, d_model {m.d_model}, {m.n_heads} heads of {m.head_dim}, "
+        f"{setup.workload}: {m.n_layers} layers, d_model {m.d_model}, {m.n_heads} heads "
+        f"({m.n_kv_heads} key/value) of {m.head_dim}, d_ff {m.d_ff}"
+        f"{', tied embeddings' if m.tie_embeddings else ''}, "
         f"{'full causal' if m.window is None else f'window {m.window}'}, vocab {m.vocab_size}, "
-        f"{str(setup.dtype).removeprefix('torch.')}, batch 1, adapted {setup.adapted}, "
-        f"inner SGD lr {setup.inner_lr}"
+        f"{str(setup.dtype).removeprefix('torch.')}, batch 1, "
     )
+    if setup.workload == Workload.hvp:
+        return text + "next-token loss over every parameter: gradient (order first) and HVP (second)"
+    text += f"adapted {setup.adapted}, inner SGD lr {setup.inner_lr}"
     if setup.workload == Workload.ttt_e2e:
         text += f", chunks of {setup.ttt.chunk_len}, suffix of {setup.ttt.suffix_len} block(s)"
     return text
@@ -266,6 +289,7 @@ def run(cfg: GradMemoryConfig, args: list[str] | None = None) -> list[dict]:
     env = {
         **describe(setup.device, "ttt.experiments.grad_memory", args),
         "dtype": str(setup.dtype).removeprefix("torch."),
+        "workload": str(setup.workload),
         "setup": summary(setup),
     }
     atomic_write_text(out / "environment.json", json.dumps(env, indent=1) + "\n")

@@ -78,11 +78,13 @@ def _memory(row: dict) -> float | None:
     return row["peak_gib"] if row["peak_gib"] is not None else row["saved_gib"]
 
 
-def _series_name(k: int, order: str, ckpt: bool) -> str:
+def _series_name(k: int, order: str, ckpt: bool, hvp: bool = False) -> str:
+    if hvp:  # workload=hvp: order second is the HVP, first the gradient
+        return "HVP" if order == "second" else "gradient"
     return f"k={k}, {order} order{', checkpointed' if ckpt else ''}"
 
 
-def _reach(rows: list[dict]) -> list[str]:
+def _reach(rows: list[dict], hvp: bool = False) -> list[str]:
     """Per series: the largest N that ran, the first N out of memory, FlashBoB's memory per token."""
     lines = []
     for backend, k, order, ckpt in sorted(
@@ -98,7 +100,7 @@ def _reach(rows: list[dict]) -> list[str]:
         if len(ok) + len(oom) < 2:
             continue
         line = (
-            f"- {backend}, {_series_name(k, order, ckpt)}: largest N that ran {max(ok, default='-')}; "
+            f"- {backend}, {_series_name(k, order, ckpt, hvp)}: largest N that ran {max(ok, default='-')}; "
             f"first OOM at N={min(oom, default='-')}"
         )
         fit = sorted((r["n"], _memory(r)) for r in _ok(same) if _memory(r) is not None)
@@ -137,7 +139,7 @@ def _speed(rows: list[dict], env: dict) -> list[str]:
         return [
             "- speed: no eager / flashbob ratio off CUDA (both ran the same plain-PyTorch attention there)"
         ]
-    lines = []
+    lines, hvp = [], env.get("workload") == "hvp"
     for k, order, ckpt in sorted({(r["k"], r["order"], r["checkpoint"]) for r in rows}):
         eager = {r["n"]: r for r in _ok(rows, backend="eager", k=k, order=order, checkpoint=ckpt)}
         flash = {r["n"]: r for r in _ok(rows, backend="flashbob", k=k, order=order, checkpoint=ckpt)}
@@ -145,7 +147,7 @@ def _speed(rows: list[dict], env: dict) -> list[str]:
         if both:
             n = max(both)
             lines.append(
-                f"- speed, {_series_name(k, order, ckpt)}: eager / flashbob time at N={n} "
+                f"- speed, {_series_name(k, order, ckpt, hvp)}: eager / flashbob time at N={n} "
                 f"(largest both ran) = {eager[n]['seconds'] / flash[n]['seconds']:.2f}"
             )
     return lines
@@ -172,10 +174,31 @@ def _model_check(rows: list[dict]) -> list[str]:
     return lines
 
 
+def _hvp_ratios(rows: list[dict]) -> list[str]:
+    """workload=hvp: per backend and N where both ran, the HVP (order second) against the gradient
+    (order first): time and peak memory, and their ratios."""
+    lines = []
+    for backend, n in sorted({(r["backend"], r["n"]) for r in rows}):
+        gradient, product = (
+            _ok(rows, backend=backend, n=n, order="first"),
+            _ok(rows, backend=backend, n=n, order="second"),
+        )
+        if gradient and product and gradient[0]["seconds"] and gradient[0]["peak_gib"]:
+            g, h = gradient[0], product[0]
+            lines.append(
+                f"- {backend}, N={n}: HVP / gradient time {h['seconds'] / g['seconds']:.2f} "
+                f"({h['seconds']:.3g} s / {g['seconds']:.3g} s), peak {h['peak_gib'] / g['peak_gib']:.2f} "
+                f"({cell(h['peak_gib'], GIB)} / {cell(g['peak_gib'], GIB)} GiB)"
+            )
+    return lines
+
+
 def headline(rows: list[dict], env: dict) -> list[str]:
     """Findings as markdown bullets: reach and first OOM per series, memory slopes, speed ratios (CUDA
-    only), and how measured memory compares with the model."""
-    return _reach(rows) + _k_slopes(rows) + _speed(rows, env) + _model_check(rows)
+    only), how measured memory compares with the model; workload=hvp: HVP / gradient time and peak."""
+    hvp = env.get("workload") == "hvp"
+    ratios = _hvp_ratios(rows) if hvp else []
+    return _reach(rows, hvp) + ratios + _k_slopes(rows) + _speed(rows, env) + _model_check(rows)
 
 
 def progress_line(row: dict) -> str:
@@ -220,28 +243,39 @@ def markdown(rows: list[dict], env: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def plot(rows: list[dict], out_dir: Path) -> list[Path]:
+def plot(rows: list[dict], out_dir: Path, workload: str | None = None) -> list[Path]:
     """memory_vs_n.png, time_vs_n.png (second order, no checkpointing, one line per backend and k; an x
-    marks the first OOM) and memory_vs_k.png (at each N of the rows that vary k). Returns the paths."""
+    marks the first OOM) and memory_vs_k.png (at each N of the rows that vary k). workload "hvp": the
+    first two only, HVP (order second) solid and gradient (order first) dashed. Returns the paths."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    base = [r for r in rows if r["order"] == "second" and not r["checkpoint"]]
+    hvp = workload == "hvp"
+    base = [r for r in rows if (hvp or r["order"] == "second") and not r["checkpoint"]]
     label = "peak GiB"
+    title = "HVP (solid) and gradient (dashed)" if hvp else "second order, no checkpointing"
     paths = []
     for name, value, ylabel in (
         ("memory_vs_n", _memory, label),
         ("time_vs_n", lambda r: r["seconds"], "seconds"),
     ):
         fig, ax = plt.subplots(figsize=(7, 4.5))
-        for backend, k in sorted({(r["backend"], r["k"]) for r in base}):
-            same = sorted((r for r in base if (r["backend"], r["k"]) == (backend, k)), key=lambda r: r["n"])
+        for backend, k, order in sorted({(r["backend"], r["k"], r["order"]) for r in base}):
+            key = (backend, k, order)
+            same = sorted(
+                (r for r in base if (r["backend"], r["k"], r["order"]) == key), key=lambda r: r["n"]
+            )
             pts = [(r["n"], value(r)) for r in same if r["status"] == "ok" and value(r) is not None]
             style = dict(color=BACKEND_STYLE.get(backend), marker=K_MARKERS.get(k, "*"))
+            if hvp:
+                style["linestyle"] = "-" if order == "second" else "--"
+            series = (
+                f"{backend}, {'HVP' if order == 'second' else 'gradient'}" if hvp else f"{backend}, k={k}"
+            )
             if pts:
-                ax.plot(*zip(*pts), label=f"{backend}, k={k}", **style)
+                ax.plot(*zip(*pts), label=series, **style)
             oom = [r["n"] for r in same if r["status"] == "oom"]
             if oom and pts:
                 ax.plot(
@@ -261,8 +295,7 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
             yscale="log",
             xlabel="N (tokens)",
             ylabel=ylabel,
-            title="second order, no checkpointing"
-            + (" (x: first OOM; dotted: model)" if name == "memory_vs_n" else ""),
+            title=title + (" (x: first OOM; dotted: model)" if name == "memory_vs_n" else ""),
         )
         ax.grid(True, which="both", alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
@@ -271,6 +304,8 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
         paths.append(out_dir / f"{name}.png")
         fig.savefig(paths[-1], dpi=120)
         plt.close(fig)
+    if hvp:
+        return paths
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for backend, n, order, ckpt in sorted(
         {(r["backend"], r["n"], r["order"], r["checkpoint"]) for r in rows}
@@ -301,7 +336,7 @@ def render(rows: list[dict], env: dict, out_dir: Path) -> None:
     """Write table.md and the plots under out_dir (the plots are skipped, with a note, without matplotlib)."""
     atomic_write_text(out_dir / "table.md", markdown(rows, env))
     try:
-        plot(rows, out_dir)
+        plot(rows, out_dir, env.get("workload"))
     except ImportError as err:
         print(f"plots skipped ({err}); later: python -m ttt.experiments.grad_memory_report {out_dir}")
 

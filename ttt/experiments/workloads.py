@@ -6,9 +6,14 @@
     ttt_e2e   a `TTTTransformer` (TTT-E2E): its last suffix_len blocks read the sequence in chunks of
               chunk_len tokens and their fast weights (default: the extra MLPs) take k inner SGD steps
               on each chunk's loss after scoring it; the outer loss is the mean next-token loss.
-Either way the step ends with the outer backward into every parameter. A task is two random token
-sequences, `inner` and `outer`, each (N + 1,) int64: random tokens are enough, memory and time do
-not depend on the values.
+Either way the step ends with the outer backward into every parameter.
+    hvp       a `Transformer` and the next-token loss of one sequence, differentiated with respect to
+              every parameter: order "second" is one Hessian-vector product (`ttt.second_order.hvp`,
+              reverse over reverse, along a Rademacher vector), order "first" the plain gradient it is
+              measured against (one forward and one backward, `torch.autograd.grad`). k and
+              checkpointing do not apply.
+A task is two random token sequences, `inner` and `outer`, each (N + 1,) int64 (hvp reads `inner`):
+random tokens are enough, memory and time do not depend on the values.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from torch import nn
 from ttt.config.choice import Choice
 from ttt.inner import InnerLoop, InnerLoopConfig, functional_forward, meta_step, select_parameters
 from ttt.models import Transformer, TransformerConfig
+from ttt.second_order.hvp import hvp, rademacher_like
 from ttt.ttt_layers import TTTConfig, TTTTransformer
 
 
@@ -32,6 +38,7 @@ class Workload(Choice):
 
     maml = "maml"
     ttt_e2e = "ttt_e2e"
+    hvp = "hvp"
 
 
 class Order(Choice):
@@ -41,7 +48,7 @@ class Order(Choice):
     second = "second"
 
 
-DEFAULT_ADAPTED = {"maml": ["layers.*.mlp.*"], "ttt_e2e": ["layers.*.ttt_mlp.*"]}
+DEFAULT_ADAPTED = {"maml": ["layers.*.mlp.*"], "ttt_e2e": ["layers.*.ttt_mlp.*"], "hvp": ["*"]}
 
 
 @dataclass(frozen=True)
@@ -55,7 +62,8 @@ class Point:
     k: int
     """Inner steps (ttt_e2e: per chunk)."""
     order: Order
-    """second (differentiate through the inner gradients) or first (first-order MAML)."""
+    """second (differentiate through the inner gradients) or first (first-order MAML); hvp: second is
+    the Hessian-vector product, first the gradient."""
     checkpoint: bool
     """Recompute each inner step (ttt_e2e: each chunk) in the outer backward instead of storing it."""
 
@@ -121,9 +129,34 @@ def _inner_config(setup: ProbeSetup, point: Point) -> InnerLoopConfig:
     )
 
 
+def derivative_step(
+    model: Transformer, task: dict[str, torch.Tensor], point: Point, setup: ProbeSetup
+) -> Callable[[], None]:
+    """The step of the hvp workload: with point.order "second", one `ttt.second_order.hvp` of the
+    next-token loss of task["inner"] (N + 1,) over every parameter of `model` (on setup.device, in
+    setup.dtype) along a Rademacher vector drawn with setup.seed; with "first", the gradient of that
+    loss (`torch.autograd.grad`: .grad is not touched). Either result is dropped."""
+    params = dict(model.named_parameters())
+
+    def loss_fn(substituted: dict[str, torch.Tensor]) -> torch.Tensor:
+        return next_token_loss(model, substituted, task["inner"])
+
+    def gradient() -> None:
+        torch.autograd.grad(loss_fn(params), tuple(params.values()))
+
+    generator = torch.Generator(device=setup.device).manual_seed(setup.seed)
+    vector = {name: rademacher_like(p.detach(), generator) for name, p in params.items()}
+
+    def hessian_vector_product() -> None:
+        hvp(loss_fn, params, vector)
+
+    return gradient if point.order == "first" else hessian_vector_product
+
+
 def build(setup: ProbeSetup, point: Point) -> tuple[nn.Module, Callable[[], None]]:
     """The model of `point` (seeded, on setup.device in setup.dtype) and a function that runs one full
-    meta step on fixed random tokens (inner steps, outer loss, outer backward; .grad accumulates)."""
+    meta step on fixed random tokens (inner steps, outer loss, outer backward; .grad accumulates), or
+    for the hvp workload one Hessian-vector product or gradient (`derivative_step`)."""
     torch.manual_seed(setup.seed)
     base = Transformer(dataclasses.replace(setup.model, attention=point.backend))
     task = random_task(point.n, setup.model.vocab_size, setup.device, setup.seed)
@@ -143,4 +176,7 @@ def build(setup: ProbeSetup, point: Point) -> tuple[nn.Module, Callable[[], None
             model.token_losses(task["inner"][None]).mean().backward()
 
         return model, ttt_step
+    if setup.workload == "hvp":
+        model = base.to(device=setup.device, dtype=setup.dtype)
+        return model, derivative_step(model, task, point, setup)
     raise ValueError(f"workload must be one of {', '.join(Workload.values())}, got {setup.workload!r}")

@@ -19,10 +19,18 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 
 
 def task_backward(
-    module: pl.LightningModule, optimizer: LightningOptimizer, n_tasks: int
+    module: pl.LightningModule, optimizer: LightningOptimizer | torch.optim.Optimizer, n_tasks: int
 ) -> Callable[[torch.Tensor], None]:
     """A backward function for the `n_tasks` per-task losses of one outer step: `manual_backward`,
-    with gradient synchronisation across processes blocked for all but the `n_tasks`-th call."""
+    with gradient synchronisation across processes blocked for all but the `n_tasks`-th call.
+
+    optimizer: the Lightning optimizer of the step, or a plain torch optimizer that the learner keeps
+    and steps itself (outside Lightning's step count, e.g. the baseline of
+    `ttt.learners.optimizer_comparison`); for the latter the blocking goes through the module's
+    (first) Lightning optimizer, whose toggle_model leaves parameters of no Lightning optimizer alone."""
+    if not isinstance(optimizer, LightningOptimizer):
+        registered = module.optimizers()
+        optimizer = registered[0] if isinstance(registered, list) else registered
     calls = 0
 
     def backward(loss: torch.Tensor) -> None:

@@ -9,15 +9,19 @@ One training step, with manual optimization:
     outer_update(...)                             # outer clipping, optimizer step, schedule step
     log train/<metric> (the passes' shares summed), train/lr and step_metrics()
 
+(zero_grad, the passes and outer_update are `outer_step`, which a learner with several optimizers calls
+once per optimizer).
+
 A learner defines `split_passes`, `pass_loss` and `evaluate` (held-out metrics by name, logged as
 val/<name> and test/<name>). `MetaLearner` (a pass is one task, adapted by the inner loop) and
 `TTTLanguageLearner` (a pass is ttt.sequences_per_pass sequences read side by side) extend it; a learner
 without an inner loop (a plain language model under a second-order outer optimizer) needs only the
-three hooks.
+three hooks; `summary_figures` adds figures of its own to summary.json.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -66,26 +70,55 @@ class OuterLearner(pl.LightningModule):
         return len(next(iter(batch.values())))
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, Any]:
-        optimizer, scheduler = self.optimizers(), self.lr_schedulers()
         passes, batch_size = self.split_passes(batch), self.batch_size(batch)
-        optimizer.zero_grad()
-        backward = task_backward(self, optimizer, len(passes))  # DDP: one all-reduce per outer step
-        totals: dict[str, torch.Tensor] = {}
-        per_pass: dict[str, list[torch.Tensor]] = {}
-        for batch_pass in passes:  # one pass's graph alive at a time
-            loss, metrics = self.pass_loss(batch_pass, batch_size)
-            backward(loss)
-            for name, value in metrics.items():
-                totals[name] = totals[name] + value if name in totals else value
-                per_pass.setdefault(name, []).append(torch.as_tensor(value).detach())
-        lr = outer_update(self, optimizer, scheduler, self.optim_cfg)
+        totals, lr, per_pass = self.outer_step(self.optimizers(), self.lr_schedulers(), passes, batch_size)
         logged = {f"train/{name}": value for name, value in totals.items()}
         logged.update({"train/lr": lr, **{f"train/{k}": v for k, v in self.step_metrics().items()}})
         self.log_dict(logged, batch_size=batch_size, sync_dist=True)
         progress = totals[self.progress_metric]
         self.log(self.progress_metric, progress, prog_bar=True, logger=False, batch_size=batch_size)
         # Each pass's metrics (P,): the divergence guard (ttt.tracking) names the pass that went non-finite.
-        return {"loss": progress, "pass_metrics": {name: torch.stack(v) for name, v in per_pass.items()}}
+        return {"loss": progress, "pass_metrics": per_pass}
+
+    def outer_step(
+        self,
+        optimizer,
+        scheduler,
+        passes: list[Any],
+        batch_size: int,
+        *,
+        pass_loss: Callable[[Any, int], tuple[torch.Tensor, dict[str, torch.Tensor]]] | None = None,
+        cfg: OuterOptimConfig | None = None,
+        step_kwargs: Callable[[], dict[str, Any]] | None = None,
+    ) -> tuple[dict[str, torch.Tensor], float, dict[str, torch.Tensor]]:
+        """One outer update of `optimizer`: zero its gradients, backpropagate every pass's loss (one
+        pass's graph alive at a time; under DDP one all-reduce), then `outer_update`.
+
+        pass_loss: (pass, batch_size) -> (loss, metrics); None: self.pass_loss. cfg: the optimizer's
+        config; None: the learner's optim section. step_kwargs: called after the backward passes, its
+        dict goes to optimizer.step (a Hessian estimate, `ttt.second_order.HessianFeed.step_kwargs`).
+        A learner with several optimizers (`ttt.learners.optimizer_comparison`) calls this once per
+        optimizer. Returns (the passes' metrics summed, the learning rate now in effect, each metric per
+        pass as a (P,) tensor: the divergence guard of ttt.tracking names the pass that went non-finite)."""
+        pass_loss = self.pass_loss if pass_loss is None else pass_loss
+        optimizer.zero_grad()
+        backward = task_backward(self, optimizer, len(passes))  # DDP: one all-reduce per outer step
+        totals: dict[str, torch.Tensor] = {}
+        per_pass: dict[str, list[torch.Tensor]] = {}
+        for batch_pass in passes:  # one pass's graph alive at a time
+            loss, metrics = pass_loss(batch_pass, batch_size)
+            backward(loss)
+            for name, value in metrics.items():
+                totals[name] = totals[name] + value if name in totals else value
+                per_pass.setdefault(name, []).append(torch.as_tensor(value).detach())
+        extra = {} if step_kwargs is None else step_kwargs()
+        lr = outer_update(self, optimizer, scheduler, self.optim_cfg if cfg is None else cfg, **extra)
+        return totals, lr, {name: torch.stack(values) for name, values in per_pass.items()}
+
+    def summary_figures(self) -> dict[str, Any]:
+        """Figures of the run beyond the logged test metrics, added to summary.json by ttt.train
+        (JSON values: numbers, strings, None, lists, dicts); none by default."""
+        return {}
 
     def log_evaluation(self, stage: str, metrics: dict[str, torch.Tensor], batch_size: int) -> None:
         """Log held-out metrics as <stage>/<name>, averaged over batches and processes."""

@@ -3,7 +3,7 @@
 from .attention import ATTENTION_BACKENDS, attention
 from .mlp import MLP, MLPConfig
 from .pretrained import from_pretrained
-from .transformer import Transformer, TransformerConfig
+from .transformer import Transformer, TransformerConfig, next_token_loss
 
 __all__ = [
     "ATTENTION_BACKENDS",
@@ -13,4 +13,5 @@ __all__ = [
     "TransformerConfig",
     "attention",
     "from_pretrained",
+    "next_token_loss",
 ]

@@ -244,3 +244,9 @@ class Transformer(nn.Module):
         if self.lm_head is None:
             return h @ self.embed.weight.t()
         return self.lm_head(h)
+
+
+def next_token_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Mean float32 cross-entropy of logits (B, N, V) at positions 0..N-2 against tokens (B, N) at
+    1..N-1: the language-modelling loss of a `Transformer`'s output on its own input. Returns a scalar."""
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())
