@@ -86,7 +86,7 @@ def reference_losses(model, x, *, write=True):
             y = x_c + a if block.variant == "mac" else x_c + a * torch.sigmoid(read)
             outputs.append(y + block.mlp(block.mlp_norm(y)))
             if write:
-                u = a if block.variant == "mac" else h
+                u = a / (a.square().mean(-1, keepdim=True) + 1e-6).sqrt() if block.variant == "mac" else h
                 k = F.normalize(u @ mem.wk.weight.t(), dim=-1)
                 v = u @ mem.wv.weight.t()
                 if mem.cfg.write_grad == "partial":
@@ -109,10 +109,16 @@ def reference_losses(model, x, *, write=True):
 def test_chunked_reading_equals_a_plain_loop(variant, write_grad, depth, chunk_len):
     """chunk_len 1 is the per-token recurrence. float64: the recurrence amplifies rounding."""
     model = make(
-        variant=variant, depth=depth, chunk_len=chunk_len, write_grad=write_grad, dtype=torch.float64
+        variant=variant,
+        depth=depth,
+        chunk_len=chunk_len,
+        write_grad=write_grad,
+        dtype=torch.float64,
+        max_lr=0.5,  # stable without the gradient clip, which the plain loop does not have
+        grad_clip=None,
     )
     x = tokens(n=11)
-    torch.testing.assert_close(model.token_losses(x), reference_losses(model, x), rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(model.token_losses(x), reference_losses(model, x), rtol=1e-7, atol=1e-7)
     torch.testing.assert_close(model.token_losses(x, adapt=False), reference_losses(model, x, write=False))
 
 
@@ -224,7 +230,16 @@ def test_the_write_is_one_inner_step_of_the_engine():
     opt = InnerGatedMomentum()
     state = opt.with_gates(opt.init(weights), momentum=row(eta), decay=row(alpha))
     loss = mem.associative_loss(weights, u).sum()
-    expected, _ = inner_step(loss, weights, state, optimizer=opt, lrs={"w0": row(theta)}, create_graph=False)
+    expected, _ = inner_step(
+        loss,
+        weights,
+        state,
+        optimizer=opt,
+        lrs={"w0": row(theta)},
+        create_graph=False,
+        grad_clip=1.0,
+        per_row=True,
+    )
     torch.testing.assert_close(new["w0"], expected["w0"])
     assert not torch.equal(new["w0"][0], new["w0"][1])  # data-dependent, per-row gates
 

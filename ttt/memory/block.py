@@ -2,10 +2,12 @@
 
 One chunk x (B, C, d_model) with memory weights W (as of the end of the previous chunk), h = attn_norm(x):
 
-    mac (memory as context)   a = SWA(h + read_W(h))       x' = x + a           write W on a
+    mac (memory as context)   a = SWA(h + read_W(h))       x' = x + a           write W on rms(a)
     mag (memory as gate)      a = SWA(h)                   x' = x + a * sigmoid(read_W(h))   write W on h
     then x'' = x' + mlp(mlp_norm(x')), as in every block.
 
+rms(a) = a / sqrt(mean(a^2) + eps), per token: the attention's output is small at initialisation, and
+the write's values should have the scale of the normalised block input that mag writes from.
 SWA carries the sliding-window key/value cache across chunks (`SuffixBlock.attend`). The memory is read
 before it is written (apply, then update): no token of a chunk reaches its own chunk's read. mac adds the
 memory's retrieval of each token to that token's attention input, so every query sees, for each key
@@ -57,7 +59,11 @@ class MemoryBlock(SuffixBlock):
         read = self.memory.read(weights, h)
         if self.variant == "mac":
             attended, cache = self.attend(h + read, cos, sin, cache)
-            x, source = x + attended, attended
+            x, source = (
+                x + attended,
+                attended
+                * torch.rsqrt(attended.float().square().mean(-1, keepdim=True) + 1e-6).to(attended.dtype),
+            )
         else:
             attended, cache = self.attend(h, cos, sin, cache)
             x, source = x + attended * torch.sigmoid(read), h

@@ -39,8 +39,9 @@ class MemoryConfig:
     """Momentum (surprise) gate eta before meta-training."""
     decay_init: float = 0.01
     """Decay (forgetting) gate alpha before meta-training."""
-    grad_clip: float | None = None
-    """Clip each sequence's memory gradient to this L2 norm (differentiably); null: no clipping."""
+    grad_clip: float | None = 1.0
+    """Clip each sequence's memory gradient to this L2 norm (differentiably); null: no clipping. The
+    total write gradient's curvature is not bounded by the keys' norm: without a clip it can diverge."""
     first_order: bool = False
     """Treat the memory's gradients as constants in the outer backward (no second-order terms). The key
     and value projections (memory.wk, memory.wv) enter the outer loss only through those gradients, so

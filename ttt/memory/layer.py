@@ -65,10 +65,12 @@ class NeuralMemory(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Projections N(0, 0.02); gates at lr_init, momentum_init, decay_init (zero weights); memory:
-        linear at zero, an MLP at the identity map (hidden layers N(0, 1/in), last layer zero)."""
+        """Projections N(0, 1/fan_in) (unit-scale values of normalised inputs; before any write, the read
+        of a unit query is of size 1/sqrt(dim) per component); gates at lr_init, momentum_init and
+        decay_init (zero weights); memory: linear at zero, an MLP at the identity map (hidden layers
+        N(0, 1/in), last layer zero)."""
         for layer in (self.wq, self.wk, self.wv, self.wr):
-            nn.init.normal_(layer.weight, std=0.02)
+            nn.init.normal_(layer.weight, std=layer.weight.shape[1] ** -0.5)
         nn.init.zeros_(self.gates.weight)
         with torch.no_grad():
             self.gates.bias.copy_(

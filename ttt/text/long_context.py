@@ -113,13 +113,11 @@ def plot_loss_by_position(path: Path, curves: dict[str, list[dict[str, float]]],
     plt.close(fig)
 
 
-def plot_passkey(path: Path, rows: list[dict[str, float]]) -> None:
-    """Exact passkey accuracy against context length, with and without test-time training."""
+def plot_passkey_curves(path: Path, curves: dict[str, list[tuple[int, float]]]) -> None:
+    """One line per curve name: exact passkey accuracy against context length, points (length, accuracy)."""
     fig, ax = plt.subplots(figsize=(6, 4))
-    for mode in MODES:
-        ax.plot(
-            [r["length"] for r in rows], [r[f"exact_{mode}"] for r in rows], marker="o", label=f"TTT {mode}"
-        )
+    for name, points in curves.items():
+        ax.plot([length for length, _ in points], [acc for _, acc in points], marker="o", label=name)
     ax.set(
         xlabel="context length (tokens)", ylabel="passkey exact accuracy", ylim=(-0.05, 1.05), xscale="log"
     )
@@ -128,6 +126,13 @@ def plot_passkey(path: Path, rows: list[dict[str, float]]) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_passkey(path: Path, rows: list[dict[str, float]]) -> None:
+    """Exact passkey accuracy against context length, with and without test-time training."""
+    plot_passkey_curves(
+        path, {f"TTT {mode}": [(r["length"], r[f"exact_{mode}"]) for r in rows] for mode in MODES}
+    )
 
 
 def write_long_context_report(
