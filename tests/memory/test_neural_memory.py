@@ -262,3 +262,19 @@ def test_bad_settings_name_the_key():
         NeuralMemoryTransformer(base, TTTConfig(), MemoryConfig())
     with pytest.raises(ValueError, match="ttt.suffix_len"):
         NeuralMemoryTransformer(base, TTTConfig(suffix_len=3, extra_mlp=False), MemoryConfig())
+
+
+@pytest.mark.parametrize("first_order", [False, True])
+def test_meta_step_for_the_gradient_memory_experiment(first_order):
+    from ttt.memory.workload import memory_meta_step
+
+    cfg = TransformerConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=2, window=4, attention="flashbob")
+    model, step = memory_meta_step(
+        cfg, n=20, chunk_len=8, depth=2, first_order=first_order, attention="eager"
+    )
+    assert model.cfg.attention == "eager" and model.suffix[0].memory.cfg.depth == 2
+    loss = step()
+    assert loss.isfinite() and not loss.requires_grad
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    assert (grads["layers.1.memory.wk.weight"] is None) == first_order  # second-order terms only
+    assert grads["layers.1.memory.init.w0"].abs().sum() > 0
