@@ -278,3 +278,29 @@ def test_meta_step_for_the_gradient_memory_experiment(first_order):
     grads = {n: p.grad for n, p in model.named_parameters()}
     assert (grads["layers.1.memory.wk.weight"] is None) == first_order  # second-order terms only
     assert grads["layers.1.memory.init.w0"].abs().sum() > 0
+
+
+@pytest.mark.parametrize("variant", ["mac", "mag"])
+def test_checkpointed_chunks_give_the_same_loss_and_outer_gradient(variant):
+    """...and the graph keeps fewer saved elements (the chunks are recomputed in the backward)."""
+    plain, checkpointed = make(variant=variant), make(variant=variant, checkpoint=True)
+    x = tokens(n=33)
+    losses, saved = [], []
+    for model in (plain, checkpointed):
+        count = [0]
+
+        def pack(t, count=count):
+            count[0] += t.numel()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            losses.append(model.token_losses(x))
+        saved.append(count[0])
+    assert saved[1] < 0.5 * saved[0]
+    torch.testing.assert_close(losses[1], losses[0], rtol=0, atol=0)
+    grads = [
+        torch.autograd.grad(loss.mean(), list(model.parameters()))
+        for loss, model in zip(losses, (plain, checkpointed))
+    ]
+    for a, b in zip(*grads):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
