@@ -28,6 +28,11 @@ from .config import MemoryConfig
 from .layer import NeuralMemory, Weights
 
 
+def unit_rms(a: torch.Tensor) -> torch.Tensor:
+    """a (..., d) scaled to root-mean-square 1 along its last dim (computed in float32, a's dtype kept)."""
+    return a * torch.rsqrt(a.float().square().mean(-1, keepdim=True) + 1e-6).to(a.dtype)
+
+
 class MemoryBlock(SuffixBlock):
     """`SuffixBlock` without an extra MLP (parameter names of `Block`: layers.{i}.attn.wq.weight, ...) plus
     a `NeuralMemory` (layers.{i}.memory.*)."""
@@ -59,11 +64,7 @@ class MemoryBlock(SuffixBlock):
         read = self.memory.read(weights, h)
         if self.variant == "mac":
             attended, cache = self.attend(h + read, cos, sin, cache)
-            x, source = (
-                x + attended,
-                attended
-                * torch.rsqrt(attended.float().square().mean(-1, keepdim=True) + 1e-6).to(attended.dtype),
-            )
+            x, source = x + attended, unit_rms(attended)
         else:
             attended, cache = self.attend(h, cos, sin, cache)
             x, source = x + attended * torch.sigmoid(read), h
