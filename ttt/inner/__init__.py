@@ -20,12 +20,20 @@ from .config import InnerLoopConfig
 from .functional import functional_forward, select_by_glob, select_parameters
 from .loop import Adaptation, InnerLoop
 from .meta_step import MetaStepResult, TaskObjective, meta_step
-from .optimizers import InnerAdam, InnerMomentum, InnerOptimizer, InnerSGD, make_inner_optimizer
+from .optimizers import (
+    InnerAdam,
+    InnerGatedMomentum,
+    InnerMomentum,
+    InnerOptimizer,
+    InnerSGD,
+    make_inner_optimizer,
+)
 from .step import clip_by_global_norm, detach_state, expand_rows, fresh_leaves, inner_step, maybe_checkpoint
 
 __all__ = [
     "Adaptation",
     "InnerAdam",
+    "InnerGatedMomentum",
     "InnerLoop",
     "InnerLoopConfig",
     "InnerMomentum",

@@ -89,6 +89,49 @@ class InnerAdam:
         return new, {"m": m, "v": v, "t": t}
 
 
+class InnerGatedMomentum:
+    """Momentum with data-dependent gates and weight decay (the neural-memory update of Titans,
+    arXiv 2501.00663): with surprise S (starts at zero), learning rate theta (the lrs), momentum gate
+    eta and decay ("forgetting") gate alpha,
+
+        S <- eta * S - theta * g          p <- (1 - alpha) * p + S
+
+    theta comes through `lrs` like every optimizer's learning rate; eta and alpha are the gates of the
+    coming step, carried in the state: `with_gates(state, momentum=..., decay=...)` returns the state
+    with new gates (dicts keyed by parameter name, or one value for all, each a float or a tensor
+    broadcastable to the parameter, e.g. per row and data-dependent (B, 1, ...)). This is the one
+    extension of the protocol: `step` itself keeps its signature. Without with_gates, the constructor's
+    momentum and decay apply."""
+
+    def __init__(self, momentum: float = 0.9, decay: float = 0.0):
+        self.momentum, self.decay = momentum, decay
+
+    def init(self, params: Mapping[str, torch.Tensor]) -> dict:
+        """Surprise buffers at zero; the constructor's momentum and decay as gates."""
+        return {
+            "surprise": {n: torch.zeros_like(p) for n, p in params.items()},
+            "momentum": dict.fromkeys(params, self.momentum),
+            "decay": dict.fromkeys(params, self.decay),
+        }
+
+    @staticmethod
+    def with_gates(state: dict, *, momentum, decay) -> dict:
+        """`state` with the gates of the next step: momentum (eta) and decay (alpha), each a dict keyed
+        by parameter name or one float / tensor for every parameter."""
+
+        def per_name(gate) -> dict:
+            return dict(gate) if isinstance(gate, Mapping) else dict.fromkeys(state["surprise"], gate)
+
+        return {**state, "momentum": per_name(momentum), "decay": per_name(decay)}
+
+    def step(self, params: Mapping, grads: Mapping, state: dict, lrs: Mapping) -> tuple[Tensors, dict]:
+        """One update; every dict keyed by parameter name."""
+        eta, alpha = state["momentum"], state["decay"]
+        surprise = {n: eta[n] * state["surprise"][n] - lrs[n] * grads[n] for n in params}
+        new = {n: (1 - alpha[n]) * p + surprise[n] for n, p in params.items()}
+        return new, {**state, "surprise": surprise}
+
+
 def make_inner_optimizer(cfg: InnerLoopConfig) -> InnerSGD | InnerMomentum | InnerAdam:
     """The optimizer named by cfg.optimizer, with its hyperparameters from cfg."""
     if cfg.optimizer == "sgd":

@@ -1,4 +1,5 @@
-"""`TTTLanguageLearner`: meta-trains a `TTTTransformer` on text, end to end.
+"""`TTTLanguageLearner`: meta-trains a `TTTTransformer` (or a `NeuralMemoryTransformer`, which reads
+through the same interface) on text, end to end.
 
 The outer loss is the mean next-token loss over every position of a sequence, each chunk scored
 before the fast weights train on it; its gradient goes through all inner updates. Validation and
@@ -14,6 +15,7 @@ import numpy as np
 import torch
 
 from ttt.config.schema import OuterOptimConfig
+from ttt.memory import NeuralMemoryTransformer
 from ttt.meta.learner import OuterLearner
 from ttt.text.long_context import (
     MODES,
@@ -34,7 +36,7 @@ class TTTLanguageLearner(OuterLearner):
 
     def __init__(
         self,
-        model: TTTTransformer,
+        model: TTTTransformer | NeuralMemoryTransformer,
         optim: OuterOptimConfig,
         total_steps: int,
         *,

@@ -1,21 +1,23 @@
-"""Compare the loss by position of several runs in one plot and one markdown table.
+"""Compare the loss by position and the passkey accuracy of several runs in plots and markdown tables.
 
     python -m ttt.text.compare RUN_DIR [RUN_DIR ...] --out DIR
 
-Each run directory must hold loss_by_position.json (written by the ttt_e2e and ttt_pretrained
-recipes). A run that trained with test-time training contributes two curves (with and without it);
-a run without it (ttt.enabled=false) contributes one. Writes DIR/loss_by_position_compare.png and
-DIR/loss_by_position_compare.md.
+Each run directory must hold loss_by_position.json (written by the ttt_e2e, ttt_pretrained and
+neural_memory recipes). A run that trained with test-time training (or memory writes) contributes two
+curves (with and without it); a run without it (ttt.enabled=false) contributes one. Writes
+DIR/loss_by_position_compare.png and .md; when the runs have passkey.csv, also
+DIR/passkey_compare.png and .md (exact accuracy by context length, the same curves).
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import sys
 from pathlib import Path
 
-from .long_context import plot_loss_by_position
+from .long_context import plot_loss_by_position, plot_passkey_curves
 
 
 def load_curves(run_dir: Path) -> dict[str, list[dict[str, float]]]:
@@ -29,6 +31,37 @@ def load_curves(run_dir: Path) -> dict[str, list[dict[str, float]]]:
     if rows["adapted"] == rows["unadapted"]:
         return {run_dir.name: rows["adapted"]}
     return {run_dir.name: rows["adapted"], f"{run_dir.name} (no TTT)": rows["unadapted"]}
+
+
+def load_passkey(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Curve label (as in `load_curves`) -> (context length, exact passkey accuracy) points of one run;
+    empty when the run has no passkey.csv."""
+    path = run_dir / "passkey.csv"
+    if not path.is_file():
+        return {}
+    rows = list(csv.DictReader(path.open()))
+    points = {
+        mode: [(int(r["length"]), float(r[f"exact_{mode}"])) for r in rows]
+        for mode in ("adapted", "unadapted")
+    }
+    labels = list(load_curves(run_dir))
+    if len(labels) == 1:
+        return {labels[0]: points["adapted"]}
+    return {labels[0]: points["adapted"], labels[1]: points["unadapted"]}
+
+
+def passkey_table(curves: dict[str, list[tuple[int, float]]]) -> str:
+    """Exact passkey accuracy per context length (columns) of each curve (rows)."""
+    lengths = sorted({length for points in curves.values() for length, _ in points})
+    lines = [
+        "| curve | " + " | ".join(f"{n} tokens" for n in lengths) + " |",
+        "|" + "---|" * (len(lengths) + 1),
+    ]
+    for name, points in curves.items():
+        by_length = dict(points)
+        cells = [f"{by_length[n]:.2f}" if n in by_length else "-" for n in lengths]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def markdown_table(curves: dict[str, list[dict[str, float]]]) -> str:
@@ -58,6 +91,12 @@ def main(argv: list[str] | None = None) -> int:
     table = markdown_table(curves)
     (args.out / "loss_by_position_compare.md").write_text(table)
     print(table, end="")
+    passkey = {label: points for run in args.runs for label, points in load_passkey(run).items()}
+    if passkey:
+        plot_passkey_curves(args.out / "passkey_compare.png", passkey)
+        table = passkey_table(passkey)
+        (args.out / "passkey_compare.md").write_text(table)
+        print("\n" + table, end="")
     return 0
 
 

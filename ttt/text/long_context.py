@@ -108,18 +108,23 @@ def plot_loss_by_position(path: Path, curves: dict[str, list[dict[str, float]]],
     save_figure(fig, path)
 
 
-def plot_passkey(path: Path, rows: list[dict[str, float]]) -> None:
-    """Exact passkey accuracy against context length, with and without test-time training."""
+def plot_passkey_curves(path: Path, curves: dict[str, list[tuple[int, float]]]) -> None:
+    """One line per curve name: exact passkey accuracy against context length, points (length, accuracy)."""
     fig, (ax,) = new_figure()
-    for mode in MODES:
-        ax.plot(
-            [r["length"] for r in rows], [r[f"exact_{mode}"] for r in rows], marker="o", label=f"TTT {mode}"
-        )
+    for name, points in curves.items():
+        ax.plot([length for length, _ in points], [acc for _, acc in points], marker="o", label=name)
     ax.set(
         xlabel="context length (tokens)", ylabel="passkey exact accuracy", ylim=(-0.05, 1.05), xscale="log"
     )
     ax.legend()
     save_figure(fig, path)
+
+
+def plot_passkey(path: Path, rows: list[dict[str, float]]) -> None:
+    """Exact passkey accuracy against context length, with and without test-time training."""
+    plot_passkey_curves(
+        path, {f"TTT {mode}": [(r["length"], r[f"exact_{mode}"]) for r in rows] for mode in MODES}
+    )
 
 
 def write_long_context_report(

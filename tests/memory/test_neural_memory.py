@@ -1,0 +1,306 @@
+"""Neural memory (ttt.memory): the gated-momentum optimizer, the chunked reading against a plain loop,
+causality, per-sequence memories, the outer gradient against float64 finite differences, bad settings."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ttt.inner import InnerGatedMomentum, InnerSGD, inner_step
+from ttt.memory import MemoryConfig, NeuralMemoryTransformer, memory_mlp
+from ttt.models import Transformer, TransformerConfig
+from ttt.models.transformer import rope_cos_sin
+from ttt.ttt_layers import TTTConfig
+
+
+def make(*, variant="mac", depth=2, chunk_len=4, window=3, dtype=torch.float32, **memory):
+    torch.manual_seed(0)
+    cfg = TransformerConfig(
+        vocab_size=32, d_model=16, n_layers=2, n_heads=2, d_ff=24, window=window, attention="eager"
+    )
+    options = {"dim": 8, "hidden": 12, "lr_init": 0.6, "momentum_init": 0.4, "decay_init": 0.1, **memory}
+    model = NeuralMemoryTransformer(
+        Transformer(cfg),
+        TTTConfig(suffix_len=1, extra_mlp=False, chunk_len=chunk_len),
+        MemoryConfig(variant=variant, depth=depth, **options),
+    )
+    with torch.no_grad():  # non-zero, data-dependent everything, as after meta-training
+        mem = model.suffix[0].memory
+        for param in (mem.wq.weight, mem.wk.weight, mem.wv.weight, mem.wr.weight, mem.gates.weight):
+            param.normal_(std=0.3)
+        for weight in mem.init.values():
+            weight.normal_(std=0.4)
+    return model.to(dtype)
+
+
+def tokens(n=15, batch=2, seed=1):
+    return torch.randint(0, 32, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def test_gated_momentum_is_the_titans_update_with_per_row_gates():
+    torch.manual_seed(0)
+    params = {"w": torch.randn(3, 2, 2)}
+    grads = [{"w": torch.randn(3, 2, 2)} for _ in range(2)]
+    theta, eta, alpha = (torch.rand(3, 1, 1) for _ in range(3))
+    opt = InnerGatedMomentum()
+    state = opt.init(params)
+    w, s = params["w"], torch.zeros(3, 2, 2)
+    current = params
+    for g in grads:
+        state = opt.with_gates(state, momentum=eta, decay={"w": alpha})
+        current, state = opt.step(current, g, state, {"w": theta})
+        s = eta * s - theta * g["w"]
+        w = (1 - alpha) * w + s
+    torch.testing.assert_close(current["w"], w)
+    torch.testing.assert_close(state["surprise"]["w"], s)
+    # without momentum and decay it is SGD
+    sgd = InnerSGD().step(params, grads[0], {}, {"w": theta})[0]
+    gated = opt.step(
+        params, grads[0], opt.with_gates(opt.init(params), momentum=0.0, decay=0.0), {"w": theta}
+    )
+    torch.testing.assert_close(gated[0]["w"], sgd["w"])
+
+
+def reference_losses(model, x, *, write=True):
+    """The model's next-token losses by a plain loop (values only): one memory block, one sequence at a
+    time, the memory a plain (unbatched) set of weights updated chunk by chunk by the written-out rule
+    (torch.autograd.grad of the associative loss, S = eta S - theta g, W = (1 - alpha) W + S, keys and
+    values detached for memory.write_grad=partial); the attention over all positions so far recomputed
+    from scratch with the block's own (uncached) Attention module."""
+    block, cfg = model.suffix[0], model.cfg
+    mem, chunk = block.memory, model.ttt_cfg.chunk_len
+    out = []
+    for row in x:
+        cos, sin = rope_cos_sin(len(row), cfg.head_dim, cfg.rope_theta, row.device)
+        hidden = model.layers[0](model.embed(row[None]), cos, sin)[0]
+        weights = {n: w.clone() for n, w in mem.init.items()}
+        surprise = {n: torch.zeros_like(w) for n, w in weights.items()}
+        inputs, outputs = [], []
+        for start in range(0, len(row), chunk):
+            x_c = hidden[start : start + chunk]
+            h = block.attn_norm(x_c)
+            q = F.normalize(h @ mem.wq.weight.t(), dim=-1)
+            read = memory_mlp(weights, q[None])[0] @ mem.wr.weight.t()
+            inputs.append(h + read if block.variant == "mac" else h)
+            z = torch.cat(inputs)[None]
+            a = block.attn(z, cos[: len(z[0])], sin[: len(z[0])])[0, start:]
+            y = x_c + a if block.variant == "mac" else x_c + a * torch.sigmoid(read)
+            outputs.append(y + block.mlp(block.mlp_norm(y)))
+            if write:
+                u = a / (a.square().mean(-1, keepdim=True) + 1e-6).sqrt() if block.variant == "mac" else h
+                k = F.normalize(u @ mem.wk.weight.t(), dim=-1)
+                v = u @ mem.wv.weight.t()
+                if mem.cfg.write_grad == "partial":
+                    k, v = k.detach(), v.detach()
+                loss = 0.5 * (memory_mlp(weights, k[None])[0] - v).square().sum(-1).mean()
+                grads = torch.autograd.grad(loss, list(weights.values()), retain_graph=True)
+                gates = torch.sigmoid(u.mean(0) @ mem.gates.weight.t() + mem.gates.bias)
+                theta, eta, alpha = mem.cfg.max_lr * gates[0], gates[1], gates[2]
+                for (name, w), g in zip(list(weights.items()), grads):
+                    surprise[name] = eta * surprise[name] - theta * g
+                    weights[name] = (1 - alpha) * w + surprise[name]
+        logits = model.head(torch.cat(outputs))
+        out.append(F.cross_entropy(logits[:-1], row[1:], reduction="none"))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("variant", ["mac", "mag"])
+@pytest.mark.parametrize("write_grad", ["total", "partial"])
+@pytest.mark.parametrize("depth, chunk_len", [(1, 1), (2, 1), (2, 4), (3, 3)], ids=str)
+def test_chunked_reading_equals_a_plain_loop(variant, write_grad, depth, chunk_len):
+    """chunk_len 1 is the per-token recurrence. float64: the recurrence amplifies rounding."""
+    model = make(
+        variant=variant,
+        depth=depth,
+        chunk_len=chunk_len,
+        write_grad=write_grad,
+        dtype=torch.float64,
+        max_lr=0.5,  # stable without the gradient clip, which the plain loop does not have
+        grad_clip=None,
+    )
+    x = tokens(n=11)
+    torch.testing.assert_close(model.token_losses(x), reference_losses(model, x), rtol=1e-7, atol=1e-7)
+    torch.testing.assert_close(model.token_losses(x, adapt=False), reference_losses(model, x, write=False))
+
+
+def test_total_write_gradient_goes_through_the_attention():
+    """mac's memory reads feed the attention whose output it writes from: the total gradient of the write
+    differs from the partial one (keys and values as given) from the first write on."""
+    model = make(variant="mac", write_grad="total")
+    x = tokens()
+    total = model.token_losses(x)
+    model.memory_cfg.write_grad = "partial"
+    partial = model.token_losses(x)
+    torch.testing.assert_close(total[:, :4], partial[:, :4], rtol=0, atol=0)  # chunk 0 reads the init
+    assert (total[:, 4:] - partial[:, 4:]).abs().min() > 0
+
+
+@pytest.mark.parametrize("variant", ["mac", "mag"])
+def test_writes_are_causal_and_a_chunk_never_reads_its_own_tokens(variant):
+    model = make(variant=variant)
+    x = tokens(n=15, batch=1)
+    written, unwritten = model.token_losses(x), model.token_losses(x, adapt=False)
+    torch.testing.assert_close(written[:, :4], unwritten[:, :4], rtol=0, atol=0)  # chunk 0 reads the init
+    assert (written[:, 4:] - unwritten[:, 4:]).abs().min() > 0
+    for position in (5, 7):  # inside chunk 1 (4..7) and its last token
+        changed = x.clone()
+        changed[0, position] = (changed[0, position] + 1) % 32
+        after = model.token_losses(changed)
+        # loss position p predicts token p + 1: positions < position - 1 must not move at all
+        torch.testing.assert_close(after[:, : position - 1], written[:, : position - 1], rtol=0, atol=0)
+        assert not torch.equal(after[:, position:], written[:, position:])
+
+
+@pytest.mark.parametrize("variant", ["mac", "mag"])
+def test_each_sequence_of_a_batch_has_its_own_memory(variant):
+    """Rows read side by side give each row's losses and outer gradient as if read alone (float64, a
+    per-row gradient clip that binds)."""
+    model = make(variant=variant, grad_clip=0.05, dtype=torch.float64)
+    x = tokens(batch=3)
+    together = model.token_losses(x)
+    params = list(model.parameters())
+    grads = torch.autograd.grad(together.mean(1).sum(), params)
+    alone_grads = [torch.zeros_like(p) for p in params]
+    for i in range(3):
+        alone = model.token_losses(x[i : i + 1])
+        torch.testing.assert_close(together[i : i + 1], alone, rtol=1e-9, atol=1e-10)
+        for total, g in zip(alone_grads, torch.autograd.grad(alone.mean(), params)):
+            total += g
+    for a, b in zip(grads, alone_grads):
+        torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-9)
+
+
+def _meta_loss(model, x, **options):
+    return model.token_losses(x, **options).mean()
+
+
+@pytest.mark.parametrize(
+    "variant, depth, write_grad", [("mac", 2, "total"), ("mac", 1, "partial"), ("mag", 2, "total")]
+)
+@pytest.mark.parametrize("along", ["every parameter", "memory.wk and memory.wv"])
+def test_outer_gradient_matches_finite_differences(variant, depth, write_grad, along):
+    """Directional derivative along the gradient (of every parameter, or of the write's key and value
+    projections only, which reach the outer loss through second-order terms alone) against central
+    differences in float64 (the model normalises in float32 inside RMSNorm, hence h = 1e-3)."""
+    model = make(variant=variant, depth=depth, write_grad=write_grad, dtype=torch.float64)
+    x = tokens(n=13, batch=1)
+    names, params = zip(*model.named_parameters())
+    grads = torch.autograd.grad(_meta_loss(model, x), params)
+    # first order: the write's keys and values enter only through its (constant) gradient, so W_K, W_V get
+    # no outer gradient at all
+    first_order = torch.autograd.grad(_meta_loss(model, x, first_order=True), params, materialize_grads=True)
+    assert not first_order[names.index("layers.1.memory.wk.weight")].any()
+    if along != "every parameter":
+        grads = [
+            g if ".memory.wk" in n or ".memory.wv" in n else torch.zeros_like(g) for n, g in zip(names, grads)
+        ]
+    norm = torch.sqrt(sum(g.square().sum() for g in grads))
+    direction = [g / norm for g in grads]
+    h, values = 1e-3, []
+    for shift in (h, -2 * h, h):
+        with torch.no_grad():
+            for param, d in zip(params, direction):
+                param.add_(shift * d)
+        values.append(_meta_loss(model, x, outer_grad=False))
+    finite_difference = (values[0] - values[1]) / (2 * h)
+    torch.testing.assert_close(norm, finite_difference, rtol=5e-3, atol=0)
+    assert norm > 1e-4  # not vacuous: first order gives exactly 0 along this direction
+
+
+def test_evaluation_reading_matches_training_reading_and_needs_grad_mode():
+    model = make()
+    x = tokens()
+    with torch.no_grad(), torch.enable_grad():
+        _, detached = model.read(x, outer_grad=False)
+    torch.testing.assert_close(detached, model.token_losses(x).detach())
+    with torch.no_grad(), pytest.raises(RuntimeError, match="grad mode"):
+        model.read(x, outer_grad=False)
+
+
+def test_the_write_is_one_inner_step_of_the_engine():
+    """NeuralMemory.write = ttt.inner.inner_step on the associative loss with per-row gates."""
+    model = make(depth=1)
+    mem = model.suffix[0].memory
+    u = torch.randn(2, 4, 16)
+    weights = {n: w.expand(2, *w.shape) for n, w in mem.init.items()}
+    new, _ = mem.write(
+        weights, mem.init_state(weights), u, lr_scale=0.5, create_graph=False, retain_graph=True
+    )
+    theta, eta, alpha = mem.gate_values(u, 0.5)
+    row = lambda g: g.view(2, 1, 1)  # noqa: E731
+    opt = InnerGatedMomentum()
+    state = opt.with_gates(opt.init(weights), momentum=row(eta), decay=row(alpha))
+    loss = mem.associative_loss(weights, u).sum()
+    expected, _ = inner_step(
+        loss,
+        weights,
+        state,
+        optimizer=opt,
+        lrs={"w0": row(theta)},
+        create_graph=False,
+        grad_clip=1.0,
+        per_row=True,
+    )
+    torch.testing.assert_close(new["w0"], expected["w0"])
+    assert not torch.equal(new["w0"][0], new["w0"][1])  # data-dependent, per-row gates
+
+
+def test_bad_settings_name_the_key():
+    for kwargs, key in [
+        ({"variant": "mal"}, "memory.variant"),
+        ({"depth": 0}, "memory.depth"),
+        ({"dim": 0}, "memory.dim"),
+        ({"lr_init": 1.0}, "memory.lr_init"),
+        ({"decay_init": 0.0}, "memory.decay_init"),
+        ({"write_grad": "full"}, "memory.write_grad"),
+        ({"grad_clip": 0.0}, "memory.grad_clip"),
+        ({"max_lr": -1.0}, "memory.max_lr"),
+    ]:
+        with pytest.raises(ValueError, match=key):
+            MemoryConfig(**kwargs)
+    base = Transformer(TransformerConfig(d_model=16, n_layers=2, n_heads=2))
+    with pytest.raises(ValueError, match="ttt.extra_mlp"):
+        NeuralMemoryTransformer(base, TTTConfig(), MemoryConfig())
+    with pytest.raises(ValueError, match="ttt.suffix_len"):
+        NeuralMemoryTransformer(base, TTTConfig(suffix_len=3, extra_mlp=False), MemoryConfig())
+
+
+@pytest.mark.parametrize("first_order", [False, True])
+def test_meta_step_for_the_gradient_memory_experiment(first_order):
+    from ttt.memory.workload import memory_meta_step
+
+    cfg = TransformerConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=2, window=4, attention="flashbob")
+    model, step = memory_meta_step(
+        cfg, n=20, chunk_len=8, depth=2, first_order=first_order, attention="eager"
+    )
+    assert model.cfg.attention == "eager" and model.suffix[0].memory.cfg.depth == 2
+    loss = step()
+    assert loss.isfinite() and not loss.requires_grad
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    assert (grads["layers.1.memory.wk.weight"] is None) == first_order  # second-order terms only
+    assert grads["layers.1.memory.init.w0"].abs().sum() > 0
+
+
+@pytest.mark.parametrize("variant", ["mac", "mag"])
+def test_checkpointed_chunks_give_the_same_loss_and_outer_gradient(variant):
+    """...and the graph keeps fewer saved elements (the chunks are recomputed in the backward)."""
+    plain, checkpointed = make(variant=variant), make(variant=variant, checkpoint=True)
+    x = tokens(n=33)
+    losses, saved = [], []
+    for model in (plain, checkpointed):
+        count = [0]
+
+        def pack(t, count=count):
+            count[0] += t.numel()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            losses.append(model.token_losses(x))
+        saved.append(count[0])
+    assert saved[1] < 0.5 * saved[0]
+    torch.testing.assert_close(losses[1], losses[0], rtol=0, atol=0)
+    grads = [
+        torch.autograd.grad(loss.mean(), list(model.parameters()))
+        for loss, model in zip(losses, (plain, checkpointed))
+    ]
+    for a, b in zip(*grads):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)

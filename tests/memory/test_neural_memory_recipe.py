@@ -1,0 +1,114 @@
+"""The neural_memory recipes end to end at toy size through the command line, their configs, and the
+comparison of runs (ttt.text.compare) with passkey curves."""
+
+import csv
+import json
+
+import pytest
+
+from recipes.neural_memory import build
+from ttt.config import load_config
+from ttt.train import main
+
+TINY = [
+    "data.seq_len=48",
+    "data.held_out_every=3",
+    "model.d_model=32",
+    "model.n_layers=2",
+    "model.n_heads=2",
+    "model.window=8",
+    "ttt.suffix_len=1",
+    "ttt.chunk_len=16",
+    "memory.hidden=16",
+    "eval.passkey_lengths=[120]",
+    "eval.passkey_trials=2",
+    "eval.position_bins=4",
+    "trainer.max_steps=2",
+    "trainer.steps_per_epoch=2",
+    "trainer.meta_batch_size=2",
+    "trainer.val_tasks=2",
+    "trainer.test_tasks=2",
+    "trainer.eval_batch_size=2",
+    "trainer.progress_bar=false",
+    "trainer.accelerator=cpu",
+    "trainer.precision=32-true",
+    "run.tensorboard=false",
+]
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(9):
+        (corpus / f"doc{i}.txt").write_text(f"def f{i}(x):\n    return x * {i}\n" * (3 + i))
+
+    def make(recipe: str, *extra: str) -> list[str]:
+        return [f"recipe={recipe}", f"data.corpus={corpus}", *TINY, f"run.root={tmp_path / 'runs'}", *extra]
+
+    return make
+
+
+@pytest.mark.parametrize("recipe", ["neural_memory", "neural_memory_16k"])
+def test_recipes_load_with_their_documented_settings(recipe):
+    cfg = load_config([f"recipe={recipe}"])
+    assert cfg.builder == "neural_memory" and cfg.memory.variant == "mac" and not cfg.ttt.extra_mlp
+    assert cfg.data.corpus == "stdlib" and max(cfg.eval.passkey_lengths) >= 16 * cfg.model.window
+    assert cfg.ttt.chunk_len == cfg.model.window
+
+
+@pytest.mark.parametrize(
+    "recipe, extra",
+    [
+        ("neural_memory", []),
+        ("neural_memory", ["memory.variant=mag", "memory.depth=1"]),
+        ("neural_memory_16k", []),
+    ],
+    ids=["mac", "mag-linear", "16k"],
+)
+def test_tiny_run_trains_and_writes_long_context_figures(tiny, tmp_path, recipe, extra):
+    assert main([*tiny(recipe, *extra), "run.name=mem"]) == 0
+    run = tmp_path / "runs" / "mem"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["outer_steps"] == 2
+    for key in ("query_loss", "late_loss", "passkey_exact_120"):
+        assert {f"{key}_adapted", f"{key}_unadapted"} <= set(summary)
+    assert summary["query_loss_adapted"] != summary["query_loss_unadapted"]
+    rows = list(csv.DictReader((run / "loss_by_position.csv").open()))
+    assert len(rows) == 4 and rows[-1]["end"] == "47"
+    assert (run / "passkey.png").stat().st_size > 0
+
+
+def test_config_errors_name_the_key(tiny):
+    with pytest.raises(ValueError, match="memory.depth"):
+        load_config([*tiny("neural_memory"), "memory.depth=0"])
+    with pytest.raises(ValueError, match="memory.variant"):
+        load_config([*tiny("neural_memory"), "memory.variant=mat"])
+    with pytest.raises(ValueError, match="did you mean 'depth'"):
+        load_config([*tiny("neural_memory"), "memory.deph=2"])
+    with pytest.raises(ValueError, match="ttt.extra_mlp"):
+        build(load_config([*tiny("neural_memory"), "ttt.extra_mlp=true"]))
+
+
+def test_compare_overlays_passkey_curves(tmp_path, capsys):
+    from ttt.text.compare import main as compare
+
+    rows = [{"start": 0, "end": 4, "loss": 2.0}, {"start": 4, "end": 8, "loss": 1.5}]
+    for name, unadapted, exact in (
+        ("mem", [rows[0], {**rows[1], "loss": 1.8}], "0.5"),
+        ("swa", rows, "0.25"),
+    ):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "loss_by_position.json").write_text(
+            json.dumps({"adapted": rows, "unadapted": unadapted})
+        )
+        (tmp_path / name / "passkey.csv").write_text(
+            "length,exact_adapted,exact_unadapted,token_adapted,token_unadapted\n"
+            f"256,{exact},0.0,0.9,0.5\n1024,0.125,0.0,0.8,0.4\n"
+        )
+    assert compare([str(tmp_path / "mem"), str(tmp_path / "swa"), "--out", str(tmp_path / "cmp")]) == 0
+    table = (tmp_path / "cmp" / "passkey_compare.md").read_text()
+    assert "| curve | 256 tokens | 1024 tokens |" in table
+    assert "| mem | 0.50 | 0.12 |" in table and "| mem (no TTT) | 0.00 | 0.00 |" in table
+    assert "| swa | 0.25 | 0.12 |" in table and "swa (no TTT)" not in table
+    assert (tmp_path / "cmp" / "passkey_compare.png").stat().st_size > 0

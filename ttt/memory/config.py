@@ -1,0 +1,89 @@
+"""`MemoryConfig`: the neural memory's shape, how it is combined with attention, and its gates."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ttt.config.choice import Choice
+
+
+class MemoryVariant(Choice):
+    """memory.variant."""
+
+    mac = "mac"
+    mag = "mag"
+
+
+class WriteGradient(Choice):
+    """memory.write_grad."""
+
+    partial = "partial"
+    total = "total"
+
+
+@dataclass
+class MemoryConfig:
+    """A gradient-trained memory in each of the last ttt.suffix_len blocks (Titans-style). Which blocks,
+    the chunk length, warm-up of the learning rate, whether the memory is written at all (ttt.enabled)
+    and passes per batch are the recipe's `ttt` section (`TTTConfig`, with ttt.extra_mlp=false)."""
+
+    variant: MemoryVariant = MemoryVariant.mac
+    """How the memory joins sliding-window attention: mac (memory as context: its read of each token is
+    added to the attention's input, and it is written from the attention's output) or mag (memory as
+    gate: the attention's output is gated by sigmoid of the memory's read; written from the block's
+    input)."""
+    depth: int = 2
+    """Layers of the memory MLP: 1 is a linear map k -> k W; >= 2 is k + MLP(k) (SiLU between layers)."""
+    dim: int | None = None
+    """Width of the memory's keys, values and queries; null: model.d_model."""
+    hidden: int | None = None
+    """Hidden width of a memory MLP of depth >= 2; null: 2 * memory.dim."""
+    write_grad: WriteGradient = WriteGradient.total
+    """Gradient of a write: total (of the chunk's associative loss with respect to the memory weights
+    along every path; with mac this includes the memory's own read of the chunk, through the attention,
+    into the keys and values, so the outer gradient differentiates the attention's backward: second
+    order through attention) or partial (keys and values taken as given, Titans' associative gradient;
+    the same as total with mag)."""
+    max_lr: float = 1.0
+    """Largest memory learning rate: theta = max_lr * sigmoid(linear(chunk's mean hidden state))."""
+    lr_init: float = 0.5
+    """theta / max_lr before meta-training (the gate's bias; its weights start at zero)."""
+    momentum_init: float = 0.5
+    """Momentum (surprise) gate eta before meta-training."""
+    decay_init: float = 0.01
+    """Decay (forgetting) gate alpha before meta-training."""
+    grad_clip: float | None = 1.0
+    """Clip each sequence's memory gradient to this L2 norm (differentiably); null: no clipping. The
+    total write gradient's curvature is not bounded by the keys' norm: without a clip it can diverge."""
+    first_order: bool = False
+    """Treat the memory's gradients as constants in the outer backward (no second-order terms). The key
+    and value projections (memory.wk, memory.wv) enter the outer loss only through those gradients, so
+    they get no outer gradient and keep their initial values (under ddp: trainer.find_unused_parameters)."""
+    checkpoint: bool = False
+    """Recompute each chunk in the outer backward instead of storing its activations."""
+
+    def __post_init__(self):
+        self.variant = MemoryVariant.parse(self.variant, "memory.variant")
+        if self.depth < 1:
+            raise ValueError(f"memory.depth must be a positive int, got {self.depth}")
+        for name in ("dim", "hidden"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"memory.{name} must be a positive int or null, got {value}")
+        self.write_grad = WriteGradient.parse(self.write_grad, "memory.write_grad")
+        if self.max_lr <= 0:
+            raise ValueError(f"memory.max_lr must be > 0, got {self.max_lr}")
+        for name in ("lr_init", "momentum_init", "decay_init"):
+            value = getattr(self, name)
+            if not 0 < value < 1:
+                raise ValueError(f"memory.{name} must be in (0, 1) (a sigmoid gate's value), got {value}")
+        if self.grad_clip is not None and self.grad_clip <= 0:
+            raise ValueError(f"memory.grad_clip must be > 0 or null, got {self.grad_clip}")
+
+    def width(self, d_model: int) -> int:
+        """Memory width in use: memory.dim, or d_model when unset."""
+        return d_model if self.dim is None else self.dim
+
+    def hidden_width(self, d_model: int) -> int:
+        """Hidden width of the memory MLP in use: memory.hidden, or 2 * width when unset."""
+        return 2 * self.width(d_model) if self.hidden is None else self.hidden
