@@ -24,11 +24,14 @@ def _git(*args: str) -> str | None:
 
 
 def commit() -> str:
-    """HEAD's short hash (with "+dirty" when tracked files differ), else $FLASHBOB_COMMIT (for a copy of
-    the tree without .git), else "unknown"."""
+    """$FLASHBOB_COMMIT when set (a copy of the tree whose .git, if any, is not the tree's own: the
+    GPU machine's copy carried a stale .git and reported another commit), else HEAD's short hash (with
+    "+dirty" when tracked files differ), else "unknown"."""
+    if os.environ.get("FLASHBOB_COMMIT"):
+        return os.environ["FLASHBOB_COMMIT"]
     head = _git("rev-parse", "--short=12", "HEAD")
     if head is None:
-        return os.environ.get("FLASHBOB_COMMIT", "unknown")
+        return "unknown"
     return head + ("+dirty" if _git("status", "--porcelain", "--untracked-files=no") else "")
 
 

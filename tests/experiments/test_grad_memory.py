@@ -294,3 +294,20 @@ def test_an_hvp_oom_stops_the_hvp_series_only(tmp_path, monkeypatch):
         ("second", 48): "skipped (oom at N=32, k=1)",
     }
     assert "- eager, HVP: largest N that ran 16; first OOM at N=32" in (tmp_path / "table.md").read_text()
+
+
+def test_neural_memory_workload_measures_second_order_above_first(tmp_path):
+    """The neural-memory layer as a workload: k is its memory depth; the second-order step keeps the
+    graph of every write (so it saves more than the first-order one) and every point runs."""
+    cfg = load(
+        ["preset=cpu", "workload=neural_memory", "backends=[flashbob,eager]", "n_sweep.ns=[32]",
+         "n_sweep.ks=[1,2]", "k_sweep.ns=[]", "checkpointed.ns=[]", "first_order.ns=[32]",
+         "first_order.ks=[2]", "chunk_len=16", f"out={tmp_path}"],
+        cuda_available=False,
+    )  # fmt: skip
+    rows = grad_memory.run(cfg)
+    assert rows and all(r["status"] == "ok" for r in rows), rows
+    by_point = {(r["backend"], r["order"], r["k"]): r for r in rows}
+    for backend in ("flashbob", "eager"):
+        assert by_point[(backend, "second", 2)]["saved_gib"] > by_point[(backend, "first", 2)]["saved_gib"]
+    assert _strict_json(tmp_path / "environment.json")["workload"] == "neural_memory"

@@ -107,13 +107,15 @@ class GradMemoryConfig:
     """maml (the maml_longctx transformer, k inner steps on a whole sequence), ttt_e2e (TTT-E2E:
     fast-weight MLPs in the last suffix_len blocks, k inner steps per chunk of chunk_len tokens) or hvp
     (one Hessian-vector product of the next-token loss over every parameter, and the gradient it is
-    compared with: only n_sweep.ns is used, each N as order first = gradient and second = HVP)."""
+    compared with: only n_sweep.ns is used, each N as order first = gradient and second = HVP) or
+    neural_memory (ttt.memory, memory as context, in the last suffix_len blocks, written once per chunk
+    of chunk_len tokens; k is the memory MLP's depth)."""
     window: int | None = None
     """Sliding attention window; null: full causal attention (what the memory model assumes)."""
     chunk_len: int = 1024
-    """ttt_e2e: tokens per chunk."""
+    """ttt_e2e, neural_memory: tokens per chunk."""
     suffix_len: int = 1
-    """ttt_e2e: blocks read chunk by chunk, with fast weights."""
+    """ttt_e2e, neural_memory: blocks read chunk by chunk, with fast weights (or a memory)."""
     d_model: int = 512
     """Width of the residual stream."""
     n_layers: int = 2

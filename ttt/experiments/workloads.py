@@ -12,6 +12,11 @@ Either way the step ends with the outer backward into every parameter.
               reverse over reverse, along a Rademacher vector), order "first" the plain gradient it is
               measured against (one forward and one backward, `torch.autograd.grad`). k and
               checkpointing do not apply.
+    neural_memory  a `NeuralMemoryTransformer` (ttt.memory, memory as context): its last suffix_len
+              blocks read the sequence in chunks of chunk_len tokens, each read of the memory followed
+              by one gated-momentum write (second order through the attention unless order "first");
+              k is the memory MLP's depth (a memory writes once per chunk: there are no k inner steps);
+              the outer loss is the mean next-token loss.
 A task is two random token sequences, `inner` and `outer`, each (N + 1,) int64 (hvp reads `inner`):
 random tokens are enough, memory and time do not depend on the values.
 """
@@ -39,6 +44,7 @@ class Workload(Choice):
     maml = "maml"
     ttt_e2e = "ttt_e2e"
     hvp = "hvp"
+    neural_memory = "neural_memory"
 
 
 class Order(Choice):
@@ -48,7 +54,12 @@ class Order(Choice):
     second = "second"
 
 
-DEFAULT_ADAPTED = {"maml": ["layers.*.mlp.*"], "ttt_e2e": ["layers.*.ttt_mlp.*"], "hvp": ["*"]}
+DEFAULT_ADAPTED = {
+    "maml": ["layers.*.mlp.*"],
+    "ttt_e2e": ["layers.*.ttt_mlp.*"],
+    "hvp": ["*"],
+    "neural_memory": ["layers.*.memory.init.*"],
+}
 
 
 @dataclass(frozen=True)
@@ -179,4 +190,20 @@ def build(setup: ProbeSetup, point: Point) -> tuple[nn.Module, Callable[[], None
     if setup.workload == "hvp":
         model = base.to(device=setup.device, dtype=setup.dtype)
         return model, derivative_step(model, task, point, setup)
+    if setup.workload == "neural_memory":
+        from ttt.memory.workload import memory_meta_step
+
+        return memory_meta_step(
+            setup.model,
+            n=point.n,
+            chunk_len=setup.ttt.chunk_len,
+            depth=point.k,
+            suffix_len=setup.ttt.suffix_len,
+            first_order=point.order == "first",
+            checkpoint=point.checkpoint,
+            attention=point.backend,
+            device=setup.device,
+            dtype=setup.dtype,
+            seed=setup.seed,
+        )
     raise ValueError(f"workload must be one of {', '.join(Workload.values())}, got {setup.workload!r}")
