@@ -13,10 +13,9 @@ from ttt.meta import TaskDataModule
 from ttt.models import Transformer, TransformerConfig
 from ttt.text.corpus import TextDataConfig
 from ttt.text.long_context import LongContextEvalConfig
-from ttt.text.tokenizer import load_tokenizer
 from ttt.ttt_layers import TTTConfig
 
-from .ttt_e2e import build_data, build_learner
+from .ttt_e2e import build_data, build_learner, text_tokenizer
 
 
 @dataclass
@@ -38,11 +37,6 @@ class Config(RecipeConfig):
 
 def build(cfg: Config) -> tuple[TTTLanguageLearner, TaskDataModule]:
     """A fresh neural-memory transformer and the text stream of `cfg`."""
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
-    if cfg.model.vocab_size < tokenizer.vocab_size:
-        raise ValueError(
-            f"model.vocab_size ({cfg.model.vocab_size}) must be >= the tokenizer's vocabulary "
-            f"({tokenizer.vocab_size})"
-        )
+    tokenizer = text_tokenizer(cfg.data, cfg.model)
     model = NeuralMemoryTransformer(Transformer(cfg.model), cfg.ttt, cfg.memory)
     return build_learner(cfg, model, tokenizer), build_data(cfg, tokenizer)

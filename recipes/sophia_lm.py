@@ -12,8 +12,9 @@ from ttt.config import OuterOptimConfig, RecipeConfig
 from ttt.learners.optimizer_comparison import CompareConfig, OptimizerComparisonLearner
 from ttt.meta import TaskDataModule
 from ttt.models import Transformer, TransformerConfig
-from ttt.text.corpus import TextDataConfig, split_windows
-from ttt.text.tokenizer import load_tokenizer
+from ttt.text.corpus import TextDataConfig
+
+from .ttt_e2e import build_data, text_tokenizer
 
 
 @dataclass
@@ -33,12 +34,7 @@ class Config(RecipeConfig):
 def build(cfg: Config) -> tuple[OptimizerComparisonLearner, TaskDataModule]:
     """Two copies of a fresh transformer (one per optimizer) and the text stream of `cfg`: batches
     {"tokens": (meta_batch_size, seq_len)} of the corpus's train / val / test documents."""
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
-    if cfg.model.vocab_size < tokenizer.vocab_size:
-        raise ValueError(
-            f"model.vocab_size ({cfg.model.vocab_size}) must be >= the tokenizer's vocabulary "
-            f"({tokenizer.vocab_size})"
-        )
+    tokenizer = text_tokenizer(cfg.data, cfg.model)
     if cfg.trainer.devices > 1 or cfg.trainer.strategy == "ddp":
         raise ValueError(
             "trainer.devices > 1 / trainer.strategy=ddp is not supported by sophia_lm: each of the two "
@@ -50,12 +46,7 @@ def build(cfg: Config) -> tuple[OptimizerComparisonLearner, TaskDataModule]:
             "trainer.precision=16-mixed is not supported by sophia_lm: the baseline optimizer is stepped "
             "by the learner, outside Lightning's gradient scaler; use bf16-mixed"
         )
-    windows = split_windows(cfg.data, tokenizer)
-    data = TaskDataModule.from_trainer(
-        {split: windows_of_split.sample for split, windows_of_split in windows.items()},
-        seed=cfg.seed,
-        trainer=cfg.trainer,
-    )
+    data = build_data(cfg, tokenizer)
     learner = OptimizerComparisonLearner(
         Transformer(cfg.model), cfg.optim, cfg.compare, cfg.schedule_steps, seed=cfg.seed
     )

@@ -53,13 +53,20 @@ def build_learner(cfg: Config, model: TTTTransformer, tokenizer) -> TTTLanguageL
     )
 
 
-def build(cfg: Config) -> tuple[TTTLanguageLearner, TaskDataModule]:
-    """A fresh TTT transformer and the text stream of `cfg`."""
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
-    if cfg.model.vocab_size < tokenizer.vocab_size:
+def text_tokenizer(data: TextDataConfig, model: TransformerConfig):
+    """The tokenizer of data.tokenizer, refused (naming model.vocab_size) when its vocabulary does not fit
+    the model's: the tokenizer of every text recipe built on our `Transformer`."""
+    tokenizer = load_tokenizer(data.tokenizer)
+    if model.vocab_size < tokenizer.vocab_size:
         raise ValueError(
-            f"model.vocab_size ({cfg.model.vocab_size}) must be >= the tokenizer's vocabulary "
+            f"model.vocab_size ({model.vocab_size}) must be >= the tokenizer's vocabulary "
             f"({tokenizer.vocab_size})"
         )
+    return tokenizer
+
+
+def build(cfg: Config) -> tuple[TTTLanguageLearner, TaskDataModule]:
+    """A fresh TTT transformer and the text stream of `cfg`."""
+    tokenizer = text_tokenizer(cfg.data, cfg.model)
     model = TTTTransformer(Transformer(cfg.model), cfg.ttt, cfg.inner)
     return build_learner(cfg, model, tokenizer), build_data(cfg, tokenizer)
