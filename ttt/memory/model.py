@@ -68,7 +68,7 @@ class NeuralMemoryTransformer(ChunkedReader):
     def _detached(self, carry: tuple[list[dict], list[dict]]) -> tuple[list[dict], list[dict]]:
         """carry with the memory weights fresh leaves (still expanded), the write states detached."""
         weights, states = carry
-        return [fresh_leaves(w) for w in weights], detach_state(states)
+        return [fresh_leaves(w) for w in weights], [detach_state(s) for s in states]
 
     def _read_chunk(self, carry, hidden, targets, cos, sin, caches, last, adapt, lr_scale, create_graph):
         """Memory blocks and head on one chunk (B, C, d_model) of every sequence, with each block's memory
