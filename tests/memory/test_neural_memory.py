@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ttt.inner import InnerGatedMomentum, InnerSGD, inner_step
-from ttt.memory import MemoryConfig, NeuralMemoryTransformer, memory_mlp
+from ttt.memory import MemoryBlock, MemoryConfig, NeuralMemoryTransformer, memory_mlp
 from ttt.models import Transformer, TransformerConfig
 from ttt.models.transformer import rope_cos_sin
 from ttt.ttt_layers import TTTConfig
@@ -214,6 +214,20 @@ def test_evaluation_reading_matches_training_reading_and_needs_grad_mode():
     torch.testing.assert_close(detached, model.token_losses(x).detach())
     with torch.no_grad(), pytest.raises(RuntimeError, match="grad mode"):
         model.read(x, outer_grad=False)
+
+
+def test_evaluation_reading_cuts_the_graph_between_chunks(monkeypatch):
+    """outer_grad=False: every chunk gets its memory weights and write state as constants (flat memory)."""
+    model, incoming = make(), []
+
+    def spy(block, x, cos, sin, cache, weights, state, **options):
+        incoming.append([*weights.values(), *state["surprise"].values()])
+        return MemoryBlock.forward(block, x, cos, sin, cache, weights, state, **options)
+
+    monkeypatch.setattr(model.suffix[0], "forward", spy.__get__(model.suffix[0]))
+    model.read(tokens(), outer_grad=False)
+    assert len(incoming) == 4  # 15 tokens, chunks of 4
+    assert all(t.grad_fn is None for chunk in incoming for t in chunk)
 
 
 def test_the_write_is_one_inner_step_of_the_engine():
