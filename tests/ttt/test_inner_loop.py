@@ -275,3 +275,15 @@ def test_inner_step_refuses_a_non_scalar_loss():
     w = torch.zeros(2, requires_grad=True)
     with pytest.raises(ValueError, match="scalar"):
         inner_step(w * 2, {"w": w}, {}, optimizer=InnerSGD(), lrs={"w": 0.1}, create_graph=False)
+
+
+def test_detach_state_detaches_tensors_inside_dicts_lists_and_tuples():
+    from ttt.inner.step import detach_state
+
+    x = torch.ones(2, requires_grad=True) * 2
+    state = {"m": x, "blocks": [{"v": x}, (x, 3)], "t": 1}
+    out = detach_state(state)
+    assert not out["m"].requires_grad and out["t"] == 1
+    assert not out["blocks"][0]["v"].requires_grad
+    assert isinstance(out["blocks"][1], tuple) and not out["blocks"][1][0].requires_grad
+    assert out["blocks"][1][1] == 3

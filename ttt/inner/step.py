@@ -91,7 +91,10 @@ def fresh_leaves(params: Mapping[str, torch.Tensor]) -> Tensors:
 
 
 def detach_state(state: Any) -> Any:
-    """An optimizer state (nested dicts of tensors and numbers) with every tensor detached."""
+    """An optimizer state (nested dicts, lists and tuples of tensors and numbers) with every tensor
+    detached."""
     if isinstance(state, dict):
         return {key: detach_state(value) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(detach_state(value) for value in state)
     return state.detach() if torch.is_tensor(state) else state
