@@ -170,14 +170,45 @@ def _operand_tiles(kernel: str, flags: dict) -> tuple[int, int, int]:
     return 2, 3, 3
 
 
+def _row_vectors(kernel: str, flags: dict) -> int:
+    """Float32 (BLOCK_M,) vectors per query tile that a columns kernel's loop loads (lse, delta;
+    for the BoB also e and c): pipelined like the tiles. Row kernels load theirs once (registers)."""
+    if kernel == "backward_kv":
+        return 2
+    if kernel == "bob_cols":
+        uq, uk = (bool(flags.get(f, True)) for f in ("HAS_UQ", "HAS_UK"))
+        return 2 + 2 * bool(flags.get("HAS_G", uq or uk))
+    return 0
+
+
 def shared_mem_estimate(kernel: str, cfg: dict, itemsize: int, precision: str = "ieee", **flags) -> int:
-    """Bytes of shared memory a launch of `kernel` with cfg (BLOCK_M, BLOCK_N, BLOCK_D, num_stages)
-    is expected to need, for inputs of `itemsize` bytes. Two regimes, calibrated on the H200
-    (Triton 3.6), where every setting of the tuned table launches and these did not:
-      tensor-core products (16-bit inputs, or float32 with tf32 / tf32x3): the loop-invariant operand
-      tiles once, plus num_stages buffers of every tile the loop loads (the software pipeline):
-      bf16 D=128 columns kernel, 128 queries x 64 keys, 2 stages: 256 KiB (refused; its 64 x 128
-      transpose, 224 KiB, launched);
+    """Bytes of shared memory a launch of `kernel` with cfg (BLOCK_M, BLOCK_N, BLOCK_D, num_warps,
+    num_stages) is expected to need, for inputs of `itemsize` bytes. Fitted to what Triton 3.6
+    compiled on the H200 (docs/data/portable_h200.csv, rows part=shared, commit 024a4bc: 40
+    launches, each met or over-estimated, tests/kernels/test_tiling.py) and to the settings the
+    H200 refused. Three regimes:
+      tensor-core products (16-bit inputs, or float32 with tf32): the loop-invariant operand tiles
+      once, plus num_stages buffers of every tile the loop loads (the software pipeline), plus, in
+      the columns kernels, num_stages - 1 buffers of the float32 per-query vectors their loop loads;
+      where a program's own rows are split over warpgroups of fewer than 64 rows each (eight warps
+      on 64 rows), one float32 (BLOCK_M, BLOCK_N) tile through which the warpgroups exchange (bf16
+      rows kernel at eight warps: +8 KiB compiled at 64 x 32, +12 KiB at 64 x 64). Exact or at most
+      3% over for 16-bit inputs. Refused on the H200: bf16 D=128 columns kernel, 128 queries x 64
+      keys, 2 stages: 256 KiB (its 64 x 128 transpose, 224 KiB, launched). Float32 tf32 compiled
+      this or less (at most 8% less, but the rows kernel at D=64, 3 stages: 88 KiB against 144;
+      one such row, left alone);
+      float32 tf32x3 (each product three tf32 products of hi and lo parts): as tf32, but every
+      loop-invariant tile counted twice. Hypothesis, fitted to the numbers and not read from
+      Triton's code: an operand that does not change in the loop is split into hi and lo once, and
+      both parts stay in shared memory for the whole loop, while the loop's tiles keep their
+      num_stages pipeline buffers and are split in registers. This is exact for the forward, both
+      backward kernels and the BoB rows kernel at D=64 and 128 (e.g. the rows kernel at D=128,
+      64 x 16, 1 stage: 224 KiB). The BoB columns kernel at D=64 (64 x 64, 1 stage) compiled one
+      float32 (BLOCK_N, BLOCK_M) tile more, 192 KiB, which its estimate adds; at D=128, 16 x 32
+      (32-row programs, presumably mma.sync rather than wgmma) that over-estimates by 13%. So the
+      estimate refuses on the H200, as Triton did at 024a4bc, the table's D=64 columns kernel at
+      2 stages, and at D=128 the forward at 3 stages, both backward kernels at 2, the rows kernel
+      at 64 x 32 and the columns kernel at 32 x 64;
       float32 IEEE products (FMA, not pipelined): the loop-invariant tiles, the loop's tiles alive at
       once, and one float32 (BLOCK_M, BLOCK_N) tile of scratch: float32 D=256 columns kernel,
       32 x 32 tiles: 228 KiB (refused: "Required: 228 KiB").
@@ -187,9 +218,19 @@ def shared_mem_estimate(kernel: str, cfg: dict, itemsize: int, precision: str = 
     if kernel in COLUMN_KERNELS:
         rows_outer, rows_inner = rows_inner, rows_outer
     tile = itemsize * cfg["BLOCK_D"]
+    score_tile = 4 * cfg["BLOCK_M"] * cfg["BLOCK_N"]
     if itemsize == 4 and precision == "ieee":
-        return tile * (outer * rows_outer + alive * rows_inner) + 4 * cfg["BLOCK_M"] * cfg["BLOCK_N"]
-    return tile * (outer * rows_outer + max(1, cfg["num_stages"]) * inner * rows_inner)
+        return tile * (outer * rows_outer + alive * rows_inner) + score_tile
+    stages = max(1, cfg["num_stages"])
+    three_pass = itemsize == 4 and precision == "tf32x3"
+    need = tile * ((1 + three_pass) * outer * rows_outer + stages * inner * rows_inner)
+    need += (stages - 1) * _row_vectors(kernel, flags) * 4 * cfg["BLOCK_M"]
+    warpgroups = max(1, cfg.get("num_warps", 4) // 4)
+    if warpgroups > 1 and rows_outer // warpgroups < 64:
+        need += score_tile
+    if three_pass and kernel == "bob_cols":
+        need += score_tile
+    return need
 
 
 def step_down(kernel: str, cfg: dict) -> dict | None:
