@@ -26,7 +26,6 @@ reported in time and memory only. Writes results.csv, results.json and table.md 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 
@@ -35,7 +34,7 @@ import torch.nn.functional as F
 
 import kernels
 from kernels import triton_ops
-from kernels.bench import peak_gib, sync_time, tflops, time_ms, visible_pairs
+from kernels.bench import peak_gib, sync_time, tflops, time_ms, visible_pairs, write_results
 from kernels.environment import commit
 
 PRODUCTS = {"ours_forward": 2, "ours_jvp_kernel": 6, "ours_jvp": 8, "ours_backward": 7, "ours_grad_jvp": 25}
@@ -185,18 +184,6 @@ def markdown_table(rows: list[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_outputs(rows: list[dict], out_dir: str, meta: dict) -> None:
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "results.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    with open(os.path.join(out_dir, "results.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
-        writer.writeheader()
-        writer.writerows(rows)
-    with open(os.path.join(out_dir, "table.md"), "w") as f:
-        f.write(markdown_table(rows, meta))
-
-
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--n", default="4096,8192,16384,32768,65536", help="comma-separated sequence lengths")
@@ -223,7 +210,7 @@ def main(argv=None) -> None:
     for d in (int(x) for x in args.d.split(",")):
         for n in sorted(int(x) for x in args.n.split(",")):
             rows += run_case(args, n, d, skip)
-            write_outputs(rows, args.out, meta)
+            write_results(rows, args.out, meta, markdown_table(rows, meta))
     print(markdown_table(rows, meta))
 
 

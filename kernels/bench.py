@@ -211,7 +211,9 @@ def run_case(args, n, d, mask, dtype_name, skip: set) -> list[dict]:
     return rows
 
 
-def write_outputs(rows: list[dict], out_dir: str, meta: dict) -> None:
+def write_results(rows: list[dict], out_dir: str, meta: dict, table: str) -> None:
+    """results.json ({"meta", "rows"}), results.csv (one row per measurement) and table.md (`table`) in
+    out_dir: the files of every kernel benchmark (this one, benchmarks/jvp.py)."""
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "results.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
@@ -220,7 +222,12 @@ def write_outputs(rows: list[dict], out_dir: str, meta: dict) -> None:
         writer.writeheader()
         writer.writerows(rows)
     with open(os.path.join(out_dir, "table.md"), "w") as f:
-        f.write(markdown_table(rows, meta))
+        f.write(table)
+
+
+def write_outputs(rows: list[dict], out_dir: str, meta: dict) -> None:
+    """`write_results` with this benchmark's table, and its plot time_vs_n.png."""
+    write_results(rows, out_dir, meta, markdown_table(rows, meta))
     plot(rows, os.path.join(out_dir, "time_vs_n.png"))
 
 
