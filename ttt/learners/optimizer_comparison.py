@@ -34,6 +34,7 @@ from ttt.meta.learner import OuterLearner
 from ttt.meta.outer import outer_optimizers
 from ttt.models.transformer import Transformer, next_token_loss
 from ttt.second_order import HESSIAN_OPTIMIZERS, HessianFeed, module_loss_fn
+from ttt.tracking.report import new_figure, save_figure
 
 GIB = 2**30
 CHECKPOINT_KEY = "optimizer_comparison"
@@ -109,12 +110,7 @@ def plot_comparison(
 ) -> None:
     """optimizer_comparison.png: held-out loss against the outer step and against each optimizer's own
     cumulative training seconds (a dashed line at the equal-time budget). curve: the learner's rows."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
-
-    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (by_step, by_time) = new_figure(2)
     for name in names:
         steps = [row["step"] for row in curve]
         losses = [row[name]["loss"] for row in curve]
@@ -125,11 +121,8 @@ def plot_comparison(
     by_step.set(xlabel="outer step", ylabel="held-out next-token loss (nats)", title="equal steps")
     by_time.set(xlabel="training seconds (own optimizer's share)", title="equal wall-clock time")
     for ax in (by_step, by_time):
-        ax.grid(alpha=0.3)
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 class OptimizerComparisonLearner(OuterLearner):
