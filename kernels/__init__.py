@@ -12,7 +12,7 @@ Supported
       sliding window (also j > i + M - N - window); rows that see no key output zero;
     * head dims 8 to 256, not only powers of two;
     * dtypes float16, bfloat16, float32 on the Triton path (float64 too on the torch path); float32
-      products by fp32_precision: "ieee" (default for now), "tf32x3" or "tf32";
+      products by fp32_precision: "tf32x3" (default), "ieee" or "tf32";
     * GPUs of compute capability 8.0 and newer (Ampere, Ada, Hopper): the tiles are fitted to the
       device's shared memory per block (kernels/tiling.py; FLASHBOB_MAX_SHARED_MEM=163K or 99K
       imposes an A100's or an L4's on a larger GPU);

@@ -30,7 +30,7 @@ def flash_attention(
     backend: "triton" (CUDA, or CPU under TRITON_INTERPRET=1), "torch" (plain PyTorch, any order
     of derivatives), or "auto" (triton on CUDA, torch elsewhere).
     fp32_precision: the Triton path's matrix products for float32 inputs, in all three stages:
-    "ieee" (full float32, slowest), "tf32x3" (three TF32 tensor-core products, near float32),
+    "ieee" (full float32, slowest), "tf32x3" (three TF32 tensor-core products, near float32; default),
     "tf32" (one, ~1e-3 relative error), or None for `validation.DEFAULT_FP32_PRECISION`; costs in
     `validation.check_fp32_precision`. The torch backend follows PyTorch's own matmul settings.
     """

@@ -23,12 +23,14 @@ FLAG_SETS = [{}, dict(HAS_UQ=True, HAS_UK=False, HAS_UV=False, HAS_G=True),
 # there (177 KiB) more than an A100's 163 KiB. They launch at the smallest tiles and leave the
 # verdict to Triton there (the estimate is fitted to Hopper code; Ampere and Ada compile other code).
 TOO_BIG = {
-    "ada": {("bob_rows", 256, 4, "tf32x3"), ("bob_rows", 256, 4, "tf32"), ("bob_cols", 256, 4, "ieee"),
+    "ada": {("bob_rows", 256, 4, "tf32x3"), ("bob_rows", 256, 4, "tf32"), ("bob_rows", 256, 4, "ieee"),
+            ("bob_cols", 256, 4, "ieee"),
             ("bob_cols", 256, 4, "tf32x3"), ("bob_cols", 256, 4, "tf32"), ("jvp", 256, 4, "tf32x3")},
     "a100": {("bob_cols", 256, 4, "tf32x3")},
     "h100": set(),
 }
-MEASURED = Path(__file__).resolve().parents[2] / "docs" / "data" / "portable_h200.csv"
+DATA = Path(__file__).resolve().parents[2] / "docs" / "data"
+MEASURED = (DATA / "portable_h200.csv", DATA / "portable_h200_f4c7a04.csv")
 # Float32 tf32x3 entries of the tuned table that the estimate steps down on the H200: each
 # loop-invariant tile counts twice (hi and lo parts, see shared_mem_estimate). The measured ones
 # (head dims 64 and 128: docs/data/portable_h200.csv) are where the out-of-resources fallback
@@ -90,29 +92,35 @@ def test_the_h200_keeps_its_tuned_table():
 
 
 def measured_rows() -> list[dict]:
-    """The H200's compiled launches at 024a4bc: kernel, settings, itemsize, precision, shared bytes."""
-    with open(MEASURED, newline="") as f:
-        rows = [r for r in csv.DictReader(f) if r["part"] == "shared"]
+    """The H200's compiled launches at 024a4bc and f4c7a04: kernel, settings, itemsize, precision,
+    shared bytes."""
+    rows = []
+    for path in MEASURED:
+        with open(path, newline="") as f:
+            rows += [r for r in csv.DictReader(f) if r["part"] == "shared"]
     return [dict(kernel=r["kernel"], cfg=json.loads(r["settings"]), itemsize=int(r["itemsize"]),
                  precision=r["mode"], shared=int(r["shared"])) for r in rows]
 
 
 OVER_ESTIMATED = ("bob_rows", 64, 4, "tf32")
+IEEE_SLACK = 1.35
+"""IEEE launches take the tf32 regime's count, which they compiled 74-100% of at f4c7a04."""
 
 
 def test_estimate_meets_every_launch_the_h200_compiled():
     """Every launch recorded on the H200 (all cotangents present) is met by the estimate, within 15%
-    above what Triton compiled, except the float32 tf32 rows kernel at head dim 64, 3 stages (88 KiB
-    compiled, 144 estimated); and since each launched, its estimate fits the H200."""
+    above what Triton compiled (IEEE: 35%), except the float32 tf32 rows kernel at head dim 64,
+    3 stages (88 KiB compiled, 144 estimated); and since each launched, its estimate fits the H200."""
     rows = measured_rows()
-    assert len(rows) == 40 and {r["itemsize"] for r in rows} == {2, 4}
-    assert {r["precision"] for r in rows if r["itemsize"] == 4} == {"tf32", "tf32x3"}
+    assert len(rows) == 80 and {r["itemsize"] for r in rows} == {2, 4}
+    assert {r["precision"] for r in rows if r["itemsize"] == 4} == {"ieee", "tf32", "tf32x3"}
     for r in rows:
         need = tiling.shared_mem_estimate(r["kernel"], r["cfg"], r["itemsize"], r["precision"])
         where = (r["kernel"], r["cfg"], r["itemsize"], r["precision"], need, r["shared"])
         assert r["shared"] <= need <= tiling.PRESETS["h100"].max_shared_mem, where
         loose = (r["kernel"], r["cfg"]["BLOCK_D"], r["itemsize"], r["precision"]) == OVER_ESTIMATED
-        assert need <= (1.7 if loose else 1.15) * r["shared"], where
+        slack = 1.7 if loose else IEEE_SLACK if r["precision"] == "ieee" else 1.15
+        assert need <= slack * r["shared"], where
 
 
 def test_smaller_gpus_step_down_from_the_table():
