@@ -263,6 +263,7 @@ def run(
         recipe=cfg.recipe,
         outer_steps=trainer.global_step,
         time_per_outer_step_s=timer.time_per_outer_step(),
+        training_time_s=timer.training_seconds(),
         first_outer_step_s=timer.first_outer_step(),
         peak_memory_gib=timer.peak_memory_gib,
         wall_time_s=time.perf_counter() - start,

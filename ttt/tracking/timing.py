@@ -1,4 +1,7 @@
-"""`OuterStepTimer`: wall time per outer step and peak accelerator memory, for the run summary."""
+"""`OuterStepTimer`: wall time per outer step and peak accelerator memory, for the run summary, and the
+training time so far as the logged metric `train/time_s` (outer steps only: no validation, testing or
+checkpoint writes; carried across resumes), so that runs can be compared at equal training time
+(`python -m ttt.tracking.curves --x time`)."""
 
 from __future__ import annotations
 
@@ -11,9 +14,13 @@ import torch
 class OuterStepTimer(pl.Callback):
     """Times every training batch (synchronising CUDA); the first `warmup` steps are not averaged."""
 
+    TIME_METRIC = "train/time_s"
+
     def __init__(self, warmup: int = 1):
         self.warmup = warmup
         self.durations: list[float] = []
+        self.earlier_sessions_s = 0.0
+        """Training seconds of the sessions before a resume (from the checkpoint)."""
         self.peak_memory_gib: float | None = None
         """Peak allocated CUDA memory of training in GiB, read at train end (None off CUDA)."""
         self._start = 0.0
@@ -33,6 +40,17 @@ class OuterStepTimer(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._sync(pl_module)
         self.durations.append(time.perf_counter() - self._start)
+        pl_module.log(self.TIME_METRIC, self.training_seconds(), on_step=True, on_epoch=False, batch_size=1)
+
+    def training_seconds(self) -> float:
+        """Seconds spent in outer steps since the run began, over every session."""
+        return self.earlier_sessions_s + sum(self.durations)
+
+    def state_dict(self) -> dict[str, float]:
+        return {"training_seconds": self.training_seconds()}
+
+    def load_state_dict(self, state_dict: dict[str, float]) -> None:
+        self.earlier_sessions_s = float(state_dict.get("training_seconds", 0.0))
 
     def time_per_outer_step(self) -> float | None:
         """Mean seconds per outer step after the warm-up steps (all steps if there are no others)."""
