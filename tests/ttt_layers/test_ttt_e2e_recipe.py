@@ -51,6 +51,9 @@ def test_tiny_ttt_e2e_run_writes_long_context_figures(tiny_ttt_e2e, tmp_path):
     for key in ("query_loss", "late_loss", "passkey_exact_120"):
         assert {f"{key}_adapted", f"{key}_unadapted"} <= set(summary)
     assert summary["query_loss_adapted"] != summary["query_loss_unadapted"]
+    logged = list(csv.DictReader((run / "logs" / "version_0" / "metrics.csv").open()))
+    late = [float(r["val/late_loss_adapted"]) for r in logged if r.get("val/late_loss_adapted")]
+    assert late and all(value > 0 for value in late), "every validation logs the late-position loss"
     rows = list(csv.DictReader((run / "loss_by_position.csv").open()))
     assert len(rows) == 4 and set(rows[0]) == {"start", "end", "loss_adapted", "loss_unadapted"}
     assert rows[-1]["end"] == "47"

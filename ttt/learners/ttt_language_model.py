@@ -104,8 +104,15 @@ class TTTLanguageLearner(OuterLearner):
         return {mode: self.read(tokens, adapt, keep_logits=False)[1] for mode, adapt in MODES.items()}
 
     def evaluate(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Mean loss of a held-out batch: query_loss_adapted / _unadapted (every position is a query)."""
-        return {f"query_loss_{mode}": losses.mean() for mode, losses in self.position_losses(batch).items()}
+        """Mean loss of a held-out batch, query_loss_adapted / _unadapted (every position is a query),
+        and late_loss_adapted / _unadapted over its last eval.late_fraction of positions, the
+        positions where long context can help (logged at every validation: val/late_loss_*)."""
+        metrics = {}
+        for mode, losses in self.position_losses(batch).items():
+            late_from = int(losses.shape[1] * (1 - self.eval_cfg.late_fraction))
+            metrics[f"query_loss_{mode}"] = losses.mean()
+            metrics[f"late_loss_{mode}"] = losses[:, late_from:].mean()
+        return metrics
 
     def on_test_epoch_start(self) -> None:
         self._position_sums, self._position_count = {}, 0
