@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_configs import TINY_KV_MODEL, TINY_KV_TASK, TINY_TEXT, write_tiny_corpus
 
 REPO = Path(__file__).resolve().parents[2]
 PROBE = Path(__file__).with_name("count_allreduce.py")
@@ -39,33 +40,8 @@ COMMON = [
 DDP = ["trainer.strategy=ddp", "trainer.devices=2"]
 TINY_RECIPES = {
     "maml_sinusoid": ["model.hidden_sizes=[8,8]", "inner.steps=2", "inner.eval_steps=2"],
-    "maml_longctx": [
-        "model.d_model=32",
-        "model.n_heads=2",
-        "model.window=8",
-        "model.vocab_size=32",
-        "task.n_pairs=4",
-        "task.n_queries=3",
-        "task.n_keys=8",
-        "task.n_values=8",
-        "task.n_filler_tokens=4",
-        "task.filler_len=14",
-        "context.chunk_len=8",
-        "inner.steps=2",
-    ],
-    "ttt_e2e": [
-        "data.corpus=corpus",
-        "data.seq_len=48",
-        "data.held_out_every=3",
-        "model.d_model=32",
-        "model.n_heads=2",
-        "model.window=8",
-        "ttt.suffix_len=1",
-        "ttt.chunk_len=16",
-        "eval.passkey_lengths=[120]",
-        "eval.passkey_trials=2",
-        "eval.position_bins=4",
-    ],
+    "maml_longctx": [*TINY_KV_MODEL, *TINY_KV_TASK],
+    "ttt_e2e": ["data.corpus=corpus", *TINY_TEXT],
 }
 
 
@@ -79,19 +55,12 @@ def launch(command: list[str], cwd: Path, returncode: int = 0) -> str:
     return done.stderr
 
 
-def write_corpus(folder: Path) -> None:
-    """Nine small text documents (ttt_e2e's data.corpus)."""
-    folder.mkdir(exist_ok=True)
-    for i in range(9):
-        (folder / f"doc{i}.txt").write_text(f"def f{i}(x):\n    return x * {i}\n" * (3 + i))
-
-
 def train(cwd: Path, recipe: str, name: str, *overrides: str, counts: Path | None = None) -> Path:
     """`python -m ttt.train` of the tiny `recipe` into cwd/runs/name, or with `counts` the same through
     count_allreduce.py, which writes the gradient all-reduces of each outer step there; returns the run
     directory."""
     if recipe == "ttt_e2e":
-        write_corpus(cwd / "corpus")
+        write_tiny_corpus(cwd / "corpus")
     args = [f"recipe={recipe}", *TINY_RECIPES[recipe], *COMMON, f"run.name={name}", *overrides]
     entry = ["-m", "ttt.train"] if counts is None else [str(PROBE), str(counts)]
     launch([sys.executable, *entry, *args], cwd)

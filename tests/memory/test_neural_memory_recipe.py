@@ -5,43 +5,23 @@ import csv
 import json
 
 import pytest
+from tiny_configs import TINY_TEXT, TINY_TRAINER, write_tiny_corpus
 
 from recipes.neural_memory import build
 from ttt.config import load_config
 from ttt.train import main
 
 TINY = [
-    "data.seq_len=48",
-    "data.held_out_every=3",
-    "model.d_model=32",
-    "model.n_layers=2",
-    "model.n_heads=2",
-    "model.window=8",
-    "ttt.suffix_len=1",
-    "ttt.chunk_len=16",
+    *TINY_TEXT,
     "memory.hidden=16",
-    "eval.passkey_lengths=[120]",
-    "eval.passkey_trials=2",
-    "eval.position_bins=4",
-    "trainer.max_steps=2",
-    "trainer.steps_per_epoch=2",
-    "trainer.meta_batch_size=2",
-    "trainer.val_tasks=2",
-    "trainer.test_tasks=2",
-    "trainer.eval_batch_size=2",
-    "trainer.progress_bar=false",
-    "trainer.accelerator=cpu",
+    *TINY_TRAINER,
     "trainer.precision=32-true",
-    "run.tensorboard=false",
 ]
 
 
 @pytest.fixture
 def tiny(tmp_path):
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    for i in range(9):
-        (corpus / f"doc{i}.txt").write_text(f"def f{i}(x):\n    return x * {i}\n" * (3 + i))
+    corpus = write_tiny_corpus(tmp_path / "corpus")
 
     def make(recipe: str, *extra: str) -> list[str]:
         return [f"recipe={recipe}", f"data.corpus={corpus}", *TINY, f"run.root={tmp_path / 'runs'}", *extra]

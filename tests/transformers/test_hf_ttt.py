@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from tiny_configs import TINY_KV_TASK, TINY_TRAINER
 from tiny_models import VOCAB, tiny_config, tiny_model
 
 from recipes.maml_longctx import Config
@@ -95,28 +96,7 @@ def test_context_learner_meta_gradients_bob_equal_eager_float64(arch, monkeypatc
         torch.testing.assert_close(grads[1][name], g, rtol=1e-9, atol=1e-12, msg=name)
 
 
-TINY_TASK = [
-    "task.n_pairs=4",
-    "task.n_queries=3",
-    "task.n_keys=8",
-    "task.n_values=8",
-    "task.n_filler_tokens=4",
-    "task.filler_len=14",
-    "context.chunk_len=8",
-    "inner.steps=2",
-    "inner.params=[model.layers.1.mlp.*]",
-]
-TINY_TRAINER = [
-    "trainer.max_steps=2",
-    "trainer.steps_per_epoch=2",
-    "trainer.meta_batch_size=2",
-    "trainer.val_tasks=2",
-    "trainer.test_tasks=2",
-    "trainer.eval_batch_size=2",
-    "trainer.progress_bar=false",
-    "trainer.accelerator=cpu",
-    "run.tensorboard=false",
-]
+TINY_TASK = [*TINY_KV_TASK, "inner.params=[model.layers.1.mlp.*]"]
 
 
 def _mistral_checkpoint(path, window=8, vocab=32):

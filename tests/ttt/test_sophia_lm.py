@@ -7,6 +7,7 @@ import json
 import lightning.pytorch as pl
 import pytest
 import torch
+from tiny_configs import write_tiny_corpus
 
 import ttt.train
 from recipes import load_builder
@@ -30,10 +31,7 @@ OPTIMIZER_FIGURES = {
 
 @pytest.fixture
 def tiny_sophia_lm(tmp_path):
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    for i in range(9):
-        (corpus / f"doc{i}.txt").write_text(f"def f{i}(x):\n    return x * {i}\n" * (3 + i))
+    corpus = write_tiny_corpus(tmp_path / "corpus")
     return [
         "recipe=sophia_lm",
         f"data.corpus={corpus}",

@@ -5,6 +5,7 @@ import csv
 import json
 
 import pytest
+from tiny_configs import TINY_TEXT, TINY_TRAINER, write_tiny_corpus
 
 from ttt.config import load_config
 from ttt.train import main
@@ -12,35 +13,9 @@ from ttt.train import main
 
 @pytest.fixture
 def tiny_ttt_e2e(tmp_path):
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    for i in range(9):
-        (corpus / f"doc{i}.txt").write_text(f"def f{i}(x):\n    return x * {i}\n" * (3 + i))
-    return [
-        "recipe=ttt_e2e",
-        f"data.corpus={corpus}",
-        "data.seq_len=48",
-        "data.held_out_every=3",
-        "model.d_model=32",
-        "model.n_layers=2",
-        "model.n_heads=2",
-        "model.window=8",
-        "ttt.suffix_len=1",
-        "ttt.chunk_len=16",
-        "eval.passkey_lengths=[120]",
-        "eval.passkey_trials=2",
-        "eval.position_bins=4",
-        "trainer.max_steps=2",
-        "trainer.steps_per_epoch=2",
-        "trainer.meta_batch_size=2",
-        "trainer.val_tasks=2",
-        "trainer.test_tasks=2",
-        "trainer.eval_batch_size=2",
-        "trainer.progress_bar=false",
-        "trainer.accelerator=cpu",
-        "run.tensorboard=false",
-        f"run.root={tmp_path / 'runs'}",
-    ]
+    corpus = write_tiny_corpus(tmp_path / "corpus")
+    runs = tmp_path / "runs"
+    return ["recipe=ttt_e2e", f"data.corpus={corpus}", *TINY_TEXT, *TINY_TRAINER, f"run.root={runs}"]
 
 
 def test_tiny_ttt_e2e_run_writes_long_context_figures(tiny_ttt_e2e, tmp_path):

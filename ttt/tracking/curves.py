@@ -27,19 +27,26 @@ DEFAULT_METRICS = ("val/query_acc_adapted", "val/query_loss_adapted")
 X_AXES = ("step", "time")
 
 
-def step_to_time(series: dict[str, list[tuple[int, float]]], run_dir: Path) -> tuple[np.ndarray, np.ndarray]:
+def step_to_time(
+    series: dict[str, list[tuple[int, float]]], run_dir: Path
+) -> tuple[np.ndarray, np.ndarray]:
     """(steps, seconds) of a run's logged training time, for np.interp; an error naming the run if it
     logged none (runs from before the metric existed)."""
     points = series.get(OuterStepTimer.TIME_METRIC, [])
     if not points:
         raise ValueError(
-            f"{run_dir}: logged no {OuterStepTimer.TIME_METRIC} (a run from before it was logged); use --x step"
+            f"{run_dir}: logged no {OuterStepTimer.TIME_METRIC} (a run from before it was logged); "
+            "use --x step"
         )
     steps, seconds = zip(*points)
     return np.asarray(steps, dtype=float), np.asarray(seconds, dtype=float)
 
 
-def load_runs(run_dirs: list[Path], metrics: list[str], x: str) -> dict[str, dict[str, list[tuple[float, float]]]]:
+Curves = dict[str, dict[str, list[tuple[float, float]]]]
+"""Run name -> metric -> [(x, value)]."""
+
+
+def load_runs(run_dirs: list[Path], metrics: list[str], x: str) -> Curves:
     """Run name -> metric -> [(x, value)] finite points, x the step or the training seconds."""
     runs = {}
     for run_dir in run_dirs:
@@ -56,11 +63,13 @@ def load_runs(run_dirs: list[Path], metrics: list[str], x: str) -> dict[str, dic
         runs[run_dir.name] = curves
     for metric in metrics:
         if not any(curves[metric] for curves in runs.values()):
-            raise ValueError(f"no run logged {metric!r}; names look like val/query_acc_adapted or train/outer_loss")
+            raise ValueError(
+                f"no run logged {metric!r}; names look like val/query_acc_adapted or train/outer_loss"
+            )
     return runs
 
 
-def plot_curves(path: Path, runs: dict[str, dict[str, list[tuple[float, float]]]], x: str) -> None:
+def plot_curves(path: Path, runs: Curves, x: str) -> None:
     """One panel per metric, one line per run, against `x` (step or time)."""
     metrics = list(next(iter(runs.values())))
     fig, axes = new_figure(len(metrics))
@@ -73,7 +82,7 @@ def plot_curves(path: Path, runs: dict[str, dict[str, list[tuple[float, float]]]
     save_figure(fig, path)
 
 
-def markdown_table(runs: dict[str, dict[str, list[tuple[float, float]]]], x: str) -> str:
+def markdown_table(runs: Curves, x: str) -> str:
     """Per run, the last logged value of each metric and where (step or seconds) it was logged."""
     metrics = list(next(iter(runs.values())))
     where = "step" if x == "step" else "time (s)"
@@ -91,11 +100,17 @@ def markdown_table(runs: dict[str, dict[str, list[tuple[float, float]]]], x: str
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ttt.tracking.curves", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m ttt.tracking.curves", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("run_dirs", nargs="+", type=Path, help="run directories written by ttt.train")
     parser.add_argument("--out", type=Path, required=True, help="directory for curves.png and curves.md")
-    parser.add_argument("--metric", action="append", help=f"logged metric (repeatable); default {DEFAULT_METRICS}")
-    parser.add_argument("--x", choices=X_AXES, default="step", help="horizontal axis: outer step or training time")
+    parser.add_argument(
+        "--metric", action="append", help=f"logged metric (repeatable); default {DEFAULT_METRICS}"
+    )
+    parser.add_argument(
+        "--x", choices=X_AXES, default="step", help="horizontal axis: outer step or training time"
+    )
     args = parser.parse_args(argv)
     try:
         runs = load_runs(args.run_dirs, args.metric or list(DEFAULT_METRICS), args.x)

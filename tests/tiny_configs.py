@@ -1,0 +1,59 @@
+"""Overrides that shrink the recipes to seconds-long CPU runs, shared by every test folder that runs a
+recipe through the command line (tests/conftest.py puts this folder on the import path):
+
+    from tiny_configs import TINY_TRAINER, TINY_KV_TASK, TINY_KV_MODEL, TINY_TEXT, write_tiny_corpus
+"""
+
+from pathlib import Path
+
+TINY_TRAINER = [
+    "trainer.max_steps=2",
+    "trainer.steps_per_epoch=2",
+    "trainer.meta_batch_size=2",
+    "trainer.val_tasks=2",
+    "trainer.test_tasks=2",
+    "trainer.eval_batch_size=2",
+    "trainer.progress_bar=false",
+    "trainer.accelerator=cpu",
+    "run.tensorboard=false",
+]
+"""Two outer steps of two tasks, two held-out tasks, on the CPU, without TensorBoard."""
+
+TINY_KV_TASK = [
+    "task.n_pairs=4",
+    "task.n_queries=3",
+    "task.n_keys=8",
+    "task.n_values=8",
+    "task.n_filler_tokens=4",
+    "task.filler_len=14",
+    "context.chunk_len=8",
+    "inner.steps=2",
+]
+"""maml_longctx's key-value task at toy size (a 27-token context read in 2 inner steps)."""
+
+TINY_KV_MODEL = ["model.d_model=32", "model.n_heads=2", "model.window=8", "model.vocab_size=32"]
+"""maml_longctx's own Transformer at toy size (its window of 8 does not reach the pairs)."""
+
+TINY_TEXT = [
+    "data.seq_len=48",
+    "data.held_out_every=3",
+    "model.d_model=32",
+    "model.n_layers=2",
+    "model.n_heads=2",
+    "model.window=8",
+    "ttt.suffix_len=1",
+    "ttt.chunk_len=16",
+    "eval.passkey_lengths=[120]",
+    "eval.passkey_trials=2",
+    "eval.position_bins=4",
+]
+"""The text recipes (ttt_e2e, neural_memory) at toy size: 48-byte windows, 2 layers, one TTT block."""
+
+
+def write_tiny_corpus(directory: Path) -> Path:
+    """Nine small Python-like documents in `directory` (created if missing, rewritten if there): a corpus
+    for data.corpus=DIR."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for i in range(9):
+        (directory / f"doc{i}.txt").write_text(f"def f{i}(x):\n    return x * {i}\n" * (3 + i))
+    return directory
