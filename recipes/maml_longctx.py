@@ -8,6 +8,7 @@ MLP) on the context's next-token loss, chunk by chunk, and the outer loss asks f
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 from ttt.config import RecipeConfig
 from ttt.inner import InnerLoopConfig
@@ -15,7 +16,7 @@ from ttt.learners import ContextChunksConfig, ContextLearner
 from ttt.meta import TaskDataModule
 from ttt.models import Transformer, TransformerConfig
 from ttt.models.hf_causal_lm import TransformersModelConfig, load_causal_lm
-from ttt.tasks import KVRecallConfig, sample_kv_recall
+from ttt.tasks import KVRecallConfig, sample_kv_recall, sample_kv_recall_at_step
 
 
 @dataclass
@@ -73,7 +74,8 @@ def build(cfg: Config) -> tuple[ContextLearner, TaskDataModule]:
         context_len=cfg.task.context_len,
         chunks=cfg.context,
     )
+    curriculum = partial(sample_kv_recall_at_step, cfg.task) if cfg.task.has_curriculum else None
     data = TaskDataModule.from_trainer(
-        lambda rng: sample_kv_recall(cfg.task, rng), seed=cfg.seed, trainer=cfg.trainer
+        partial(sample_kv_recall, cfg.task), seed=cfg.seed, trainer=cfg.trainer, train_curriculum=curriculum
     )
     return learner, data

@@ -125,3 +125,10 @@ def test_bf16_mixed_precision_run_is_close_to_float32_but_computed_in_bf16(tiny_
         assert math.isfinite(mixed[key]), key
         assert mixed[key] != full[key], f"{key}: bf16-mixed gave the float32 value (no autocast?)"
         assert mixed[key] == pytest.approx(full[key], rel=2e-3), key  # measured: 3e-5
+
+
+def test_maml_longctx_trains_under_a_pair_curriculum(tiny_overrides, tmp_path):
+    curriculum = ["task.curriculum_start_pairs=1", "task.curriculum_steps=2", "run.name=curriculum"]
+    assert main(tiny_overrides("maml_longctx", *curriculum)) == 0
+    summary = json.loads((tmp_path / "curriculum" / "summary.json").read_text())
+    assert summary["outer_steps"] == 2 and math.isfinite(summary["query_loss_adapted"])

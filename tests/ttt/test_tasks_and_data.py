@@ -162,3 +162,57 @@ def test_prequential_context_loss_is_the_mean_inner_loss_before_each_step_and_tr
 def test_context_loss_choice_is_validated():
     with pytest.raises(ValueError, match="context.context_loss"):
         ContextChunksConfig(context_loss="sometimes")
+
+
+def test_kv_recall_curriculum_writes_fewer_pairs_in_tasks_of_the_same_shape():
+    cfg = KVRecallConfig(
+        n_pairs=6, n_queries=5, n_keys=10, n_values=5, filler_len=20, n_filler_tokens=3,
+        curriculum_start_pairs=2, curriculum_steps=4,
+    )  # fmt: skip
+    assert [cfg.pairs_at_step(s) for s in (0, 1, 2, 3, 4, 100)] == [2, 3, 4, 5, 6, 6]
+    full = sample_kv_recall(cfg, np.random.default_rng(3))
+    same = sample_kv_recall(cfg, np.random.default_rng(3), 6)
+    np.testing.assert_array_equal(full["tokens"], same["tokens"])
+    task = sample_kv_recall(cfg, np.random.default_rng(3), 2)
+    tokens, mask = task["tokens"], task["query_mask"]
+    assert tokens.shape == full["tokens"].shape and np.array_equal(mask, full["query_mask"])
+    pairs = dict(zip(tokens[1:5:2].tolist(), tokens[2:5:2].tolist()))
+    assert len(pairs) == 2 and set(tokens[5 : cfg.context_len].tolist()) <= {2, 3, 4}  # the rest is filler
+    asked = [int(tokens[pos]) for pos in np.flatnonzero(mask)]
+    assert len(asked) == 5 and set(asked) == set(pairs)  # the queries cycle through the two pairs
+    for pos in np.flatnonzero(mask):
+        assert pairs[int(tokens[pos])] == int(tokens[pos + 1])
+    with pytest.raises(ValueError, match=r"n_pairs must be in \[1, task.n_pairs=6\], got 7"):
+        sample_kv_recall(cfg, np.random.default_rng(0), 7)
+
+
+@pytest.mark.parametrize(
+    "keys, message",
+    [
+        (dict(curriculum_start_pairs=0, curriculum_steps=5), "task.curriculum_start_pairs must be in"),
+        (dict(curriculum_start_pairs=7, curriculum_steps=5), "task.curriculum_start_pairs must be in"),
+        (dict(curriculum_start_pairs=2), "task.curriculum_steps must be a positive int"),
+        (dict(curriculum_steps=5), "needs task.curriculum_start_pairs"),
+    ],
+)
+def test_kv_recall_curriculum_settings_are_checked(keys, message):
+    with pytest.raises(ValueError, match=message):
+        KVRecallConfig(n_pairs=6, n_queries=5, n_keys=10, **keys)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_curriculum_follows_the_outer_step_of_every_process_and_spares_the_held_out_sets(world_size):
+    def plain(rng):
+        return {"step": np.array(-1), "noise": rng.random(1)}
+
+    def at_step(rng, step):
+        return {"step": np.array(step), "noise": rng.random(1)}
+
+    sizes = dict(seed=0, meta_batch_size=2, steps_per_epoch=3, val_tasks=2, test_tasks=2, eval_batch_size=2)
+    data = TaskDataModule(plain, train_curriculum=at_step, **sizes)
+    ranks = []
+    for rank in range(world_size):
+        data.trainer = type("T", (), dict(global_rank=rank, world_size=world_size, global_step=5))()
+        ranks.append([batch["step"].tolist() for batch in data.train_dataloader()])
+    assert all(steps == [[5, 5], [6, 6], [7, 7]] for steps in ranks), ranks
+    assert next(iter(data.val_dataloader()))["step"].flatten().tolist() == [-1] * (2 // world_size)

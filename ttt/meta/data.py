@@ -11,6 +11,11 @@ with meta_batch_size b read the tasks of one process with P * b (process r takes
 The held-out sets are Hugging Face `datasets.Dataset`s; each process evaluates its own contiguous share.
 Text is a task stream too: a sampler per split draws token windows from that split's documents
 (`ttt.text.corpus.TokenWindows.sample`), and `TaskDataModule` serves synthetic tasks and text alike.
+
+A curriculum is a training sampler that also takes the outer step, `sample_at_step(rng, step)` (the
+step of task i is i // G): it changes the tasks as training goes on, and stays exact under resume and
+DDP because the step comes from the task's index. The held-out sets keep the plain sampler (the final
+task), so validation measures the goal all along.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 TaskSampler = Callable[[np.random.Generator], dict[str, np.ndarray]]
+StepTaskSampler = Callable[[np.random.Generator, int], dict[str, np.ndarray]]
+"""A curriculum: sample(rng, outer_step) -> task."""
 TRAIN_STREAM, VAL_STREAM, TEST_STREAM = 0, 1, 2
 SPLITS = ("train", "val", "test")
 
@@ -34,13 +41,29 @@ def task_rng(seed: int, stream: int, index: int) -> np.random.Generator:
 
 
 class SyntheticTasks(Dataset):
-    """Map-style view of an endless task stream: item i is task i (as torch tensors)."""
+    """Map-style view of an endless task stream: item i is task i (as torch tensors). With
+    `sample_at_step` (a curriculum) task i is sample_at_step(rng, i // tasks_per_step) instead."""
 
-    def __init__(self, sample: TaskSampler, *, seed: int, stream: int = TRAIN_STREAM):
+    def __init__(
+        self,
+        sample: TaskSampler,
+        *,
+        seed: int,
+        stream: int = TRAIN_STREAM,
+        sample_at_step: StepTaskSampler | None = None,
+        tasks_per_step: int = 1,
+    ):
+        if tasks_per_step < 1:
+            raise ValueError(f"tasks_per_step must be a positive int, got {tasks_per_step}")
         self.sample, self.seed, self.stream = sample, seed, stream
+        self.sample_at_step, self.tasks_per_step = sample_at_step, tasks_per_step
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        task = self.sample(task_rng(self.seed, self.stream, index))
+        rng = task_rng(self.seed, self.stream, index)
+        if self.sample_at_step is None:
+            task = self.sample(rng)
+        else:
+            task = self.sample_at_step(rng, index // self.tasks_per_step)
         return {name: torch.from_numpy(np.asarray(value)) for name, value in task.items()}
 
 
@@ -104,6 +127,8 @@ class TaskDataModule(pl.LightningDataModule):
     sample: one sampler for all three streams (synthetic tasks), or one per split, {"train": ..., "val":
     ..., "test": ...} (text: windows of each split's own documents). Every batch is a dict of tensors with
     a leading task dim (meta_batch_size, or eval_batch_size for the held-out sets).
+    train_curriculum: a StepTaskSampler that replaces the training sampler (the held-out sets keep
+    `sample`); its tasks must have the shapes of `sample`'s.
     """
 
     def __init__(
@@ -117,6 +142,7 @@ class TaskDataModule(pl.LightningDataModule):
         test_tasks: int,
         eval_batch_size: int,
         num_workers: int = 0,
+        train_curriculum: StepTaskSampler | None = None,
     ):
         super().__init__()
         samples = dict(sample) if isinstance(sample, Mapping) else dict.fromkeys(SPLITS, sample)
@@ -127,16 +153,22 @@ class TaskDataModule(pl.LightningDataModule):
         self.samples, self.seed = samples, seed
         self.meta_batch_size, self.steps_per_epoch = meta_batch_size, steps_per_epoch
         self.val_tasks, self.test_tasks, self.eval_batch_size = val_tasks, test_tasks, eval_batch_size
-        self.num_workers = num_workers
+        self.num_workers, self.train_curriculum = num_workers, train_curriculum
 
     @classmethod
     def from_trainer(
-        cls, sample: TaskSampler | Mapping[str, TaskSampler], *, seed: int, trainer
+        cls,
+        sample: TaskSampler | Mapping[str, TaskSampler],
+        *,
+        seed: int,
+        trainer,
+        train_curriculum: StepTaskSampler | None = None,
     ) -> TaskDataModule:
         """The data module whose batch sizes and held-out set sizes are those of a `TrainerConfig`."""
         return cls(
             sample,
             seed=seed,
+            train_curriculum=train_curriculum,
             meta_batch_size=trainer.meta_batch_size,
             steps_per_epoch=trainer.steps_per_epoch,
             val_tasks=trainer.val_tasks,
@@ -146,11 +178,19 @@ class TaskDataModule(pl.LightningDataModule):
         )
 
     def train_dataloader(self) -> DataLoader:
+        processes = process_rank(self)
+        tasks = SyntheticTasks(
+            self.samples["train"],
+            seed=self.seed,
+            stream=TRAIN_STREAM,
+            sample_at_step=self.train_curriculum,
+            tasks_per_step=self.meta_batch_size * processes["world_size"],
+        )
         return DataLoader(
-            SyntheticTasks(self.samples["train"], seed=self.seed, stream=TRAIN_STREAM),
+            tasks,
             batch_size=self.meta_batch_size,
             sampler=StepAlignedSampler(
-                self.steps_per_epoch, self.meta_batch_size, self._done_steps, **process_rank(self)
+                self.steps_per_epoch, self.meta_batch_size, self._done_steps, **processes
             ),
             num_workers=self.num_workers,
             drop_last=True,
