@@ -20,10 +20,11 @@ from ttt.inner import InnerLoopConfig
 from ttt.learners.ttt_language_model import TTTLanguageLearner
 from ttt.meta import TaskDataModule
 from ttt.models import Transformer, TransformerConfig, from_pretrained
+from ttt.models.hf_causal_lm import TransformersModelConfig, load_causal_lm
 from ttt.text.corpus import TextDataConfig
 from ttt.text.long_context import LongContextEvalConfig
 from ttt.text.tokenizer import load_tokenizer
-from ttt.ttt_layers import TTTConfig, TTTTransformer
+from ttt.ttt_layers import TransformersTTTReader, TTTConfig, TTTTransformer
 
 from .ttt_e2e import build_data, build_learner
 
@@ -71,6 +72,17 @@ class Config(RecipeConfig):
     """The text corpus; data.tokenizer=checkpoint: model.checkpoint's tokenizer.json (bytes without one)."""
     eval: LongContextEvalConfig = field(default_factory=LongContextEvalConfig)
     """Loss by position and passkey retrieval after meta-fine-tuning."""
+    transformers: TransformersModelConfig = field(default_factory=TransformersModelConfig)
+    """transformers.checkpoint=DIR: test-time-train that transformers causal LM itself (any architecture;
+    its own parameters adapt, inner.params by its names, ttt.extra_mlp=false) instead of converting
+    model.checkpoint (`ttt.ttt_layers.TransformersTTTReader`; the converted path is faster)."""
+
+    def __post_init__(self):
+        if self.transformers.checkpoint is not None and self.model.checkpoint is not None:
+            raise ValueError(
+                "give model.checkpoint (converted into our Transformer) or transformers.checkpoint "
+                "(run as it is), not both"
+            )
 
 
 def load_base_model(cfg: PretrainedConfig) -> Transformer:
@@ -101,15 +113,23 @@ def load_base_model(cfg: PretrainedConfig) -> Transformer:
 
 
 def build(cfg: Config) -> tuple[TTTLanguageLearner, TaskDataModule]:
-    """The converted pretrained model and the text stream of `cfg`."""
+    """The converted pretrained model (or the transformers model itself) and the text stream of `cfg`."""
+    checkpoint = cfg.transformers.checkpoint or cfg.model.checkpoint
     spec = cfg.data.tokenizer
     if spec == "checkpoint":
-        spec = "bytes" if cfg.model.checkpoint is None else cfg.model.checkpoint
+        spec = "bytes" if checkpoint is None else checkpoint
     tokenizer = load_tokenizer(spec)
-    vocab = cfg.model.architecture.vocab_size
+    if cfg.transformers.checkpoint is None:
+        base, vocab = None, cfg.model.architecture.vocab_size
+    else:
+        base = load_causal_lm(cfg.transformers)
+        vocab = base.cfg.vocab_size
     if vocab < tokenizer.vocab_size:
         raise ValueError(
             f"the model's vocabulary ({vocab}) is smaller than the tokenizer's ({tokenizer.vocab_size})"
         )
-    model = TTTTransformer(load_base_model(cfg.model), cfg.ttt, cfg.inner)
+    if base is None:
+        model = TTTTransformer(load_base_model(cfg.model), cfg.ttt, cfg.inner)
+    else:
+        model = TransformersTTTReader(base, cfg.ttt, cfg.inner)
     return build_learner(cfg, model, tokenizer), build_data(cfg, tokenizer)

@@ -1,5 +1,5 @@
-"""`TTTLanguageLearner`: meta-trains a `TTTTransformer` (or a `NeuralMemoryTransformer`, which reads
-through the same interface) on text, end to end.
+"""`TTTLanguageLearner`: meta-trains a `TTTTransformer` (or a `NeuralMemoryTransformer` or a
+`TransformersTTTReader`, which read through the same interface) on text, end to end.
 
 The outer loss is the mean next-token loss over every position of a sequence, each chunk scored
 before the fast weights train on it; its gradient goes through all inner updates. Validation and
@@ -25,7 +25,7 @@ from ttt.text.long_context import (
     write_long_context_report,
 )
 from ttt.text.tokenizer import Tokenizer
-from ttt.ttt_layers import TTTTransformer
+from ttt.ttt_layers import TransformersTTTReader, TTTTransformer
 
 
 class TTTLanguageLearner(OuterLearner):
@@ -36,7 +36,7 @@ class TTTLanguageLearner(OuterLearner):
 
     def __init__(
         self,
-        model: TTTTransformer | NeuralMemoryTransformer,
+        model: TTTTransformer | NeuralMemoryTransformer | TransformersTTTReader,
         optim: OuterOptimConfig,
         total_steps: int,
         *,

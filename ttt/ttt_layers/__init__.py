@@ -3,10 +3,14 @@
 inner = InnerLoopConfig(params=["layers.*.ttt_mlp.*"], lr=1.0)
 model = TTTTransformer(Transformer(cfg), TTTConfig(suffix_len=1), inner)
 model.token_losses(tokens).mean().backward()   # differentiates through the inner steps
+
+Any transformers causal LM instead (its own parameters adapt; slower than the converted model):
+TransformersTTTReader(load_causal_lm(TransformersModelConfig(checkpoint=DIR)), ttt, inner).
 """
 
 from .block import SuffixBlock
 from .config import TTTConfig
 from .model import TTTTransformer
+from .transformers_reader import TransformersTTTReader
 
-__all__ = ["SuffixBlock", "TTTConfig", "TTTTransformer"]
+__all__ = ["SuffixBlock", "TTTConfig", "TTTTransformer", "TransformersTTTReader"]
