@@ -84,6 +84,8 @@ class TransformersTTTReader(nn.Module):
         return logits, losses.view(targets.shape)
 
     def _read_row(self, tokens, steps, create_graph, lr_scale, outer_grad, keep_logits):
+        """One sequence tokens (1, N) read chunk by chunk from the initial fast weights: (logits (1, N, V)
+        or None, losses (1, N - 1)); the options as `read` resolved them."""
         fast = self.initial_fast_weights()
         lrs, state = self.inner.step_lrs(fast, lr_scale), self.inner.init_state(fast)
         if not outer_grad:
