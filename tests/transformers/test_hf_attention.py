@@ -145,7 +145,7 @@ def padding_mask(ids, side, pads=(3, 7)):
 
 
 @pytest.mark.parametrize("side", ["left", "right"])
-@pytest.mark.parametrize("arch, attn", [("llama", "bob"), ("qwen2", "bob"), ("llama", "bob_triton")])
+@pytest.mark.parametrize("arch, attn", [*((arch, "bob") for arch in ARCHS), ("llama", "bob_triton")])
 def test_padded_batch_logits_equal_eager(arch, attn, side, monkeypatch):
     """Left or right padding runs as per-row key ranges: logits at the tokens equal eager's (Qwen2:
     one full and one sliding-window layer, w=5 < N)."""
