@@ -162,14 +162,18 @@ def check_key_range(
         elif t.device != q.device:
             raise ValueError(f"{name} must be on {q.device} like q, got {t.device}")
         bounds.append(t)
-    start, end = bounds
-    if _values_readable(start, end):
-        if bool((start < 0).any()) or bool((start > n_keys).any()):
+    key_range = torch.stack((bounds[0].to(torch.int64), bounds[1].to(torch.int64)), dim=-1)
+    if _values_readable(key_range):
+        start, end = key_range.unbind(-1)
+        bad_start, bad_end = torch.stack(
+            ((start < 0) | (start > n_keys), (end < start) | (end > n_keys))
+        ).any(-1).tolist()  # one device sync for all four checks
+        if bad_start:
             raise ValueError(f"key_start must be in [0, M={n_keys}], got {start.tolist()}")
-        if bool((end < start).any()) or bool((end > n_keys).any()):
+        if bad_end:
             raise ValueError(f"key_end must be in [key_start, M={n_keys}], got key_end {end.tolist()} "
                              f"for key_start {start.tolist()}")
-    return torch.stack((start, end), dim=-1).to(torch.int32)
+    return key_range.to(torch.int32)
 
 
 def _values_readable(*tensors: torch.Tensor) -> bool:

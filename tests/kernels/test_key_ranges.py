@@ -225,6 +225,7 @@ def bad_ranges():
         (ok.to("meta"), None, ValueError, "key_start must be on"),
         (torch.tensor([-1, 0]), None, ValueError, r"key_start must be in \[0, M=7\]"),
         (torch.tensor([0, 8]), torch.tensor([7, 8]), ValueError, r"key_start must be in \[0, M=7\]"),
+        (torch.tensor([2**32, 0]), None, ValueError, r"key_start must be in \[0, M=7\]"),  # not wrapped
         (ok, torch.tensor([7, 8]), ValueError, r"key_end must be in \[key_start, M=7\]"),
         (torch.tensor([3, 3]), torch.tensor([7, 2]), ValueError, r"key_end must be in \[key_start"),
     ]
