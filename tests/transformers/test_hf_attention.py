@@ -160,6 +160,20 @@ def test_padded_batch_logits_equal_eager(arch, attn, side, monkeypatch):
     torch.testing.assert_close(got[2:], unpadded, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_left_padded_decoding_with_cache_equals_eager(arch):
+    """Generation-style: a left-padded prefill, then a cached two-token step with the mask extended
+    (Mistral's sliding-window cache cuts the mask at a key offset)."""
+    ids = tokens(batch=3)
+    mask = padding_mask(ids, "left")
+    results = []
+    for attn in ("eager", "bob"):
+        model = tiny_model(arch, attn)
+        past = model(ids[:, :-2], attention_mask=mask[:, :-2], use_cache=True).past_key_values
+        results.append(model(ids[:, -2:], attention_mask=mask, past_key_values=past, use_cache=True).logits)
+    torch.testing.assert_close(results[1], results[0], rtol=1e-5, atol=1e-5)
+
+
 def padded_meta_gradients(model, ids, mask):
     """`meta_gradients` on a padded batch: the next-token losses count only pairs of real tokens."""
     params = dict(model.named_parameters())
