@@ -176,9 +176,14 @@ def check_key_range(
     return key_range.to(torch.int32)
 
 
-def _values_readable(*tensors: torch.Tensor) -> bool:
-    """Whether reading these tensors' values is allowed here (not while torch.compile traces, not
-    for tensors vmapped by torch.func)."""
+def _values_readable(t: torch.Tensor) -> bool:
+    """Whether reading t's values is allowed here: not while torch.compile traces, not when t is
+    vmapped by torch.func at any level (under grad transforms it is wrapped once per level)."""
     if torch.compiler.is_compiling():
         return False
-    return not any(torch._C._functorch.is_batchedtensor(t) for t in tensors)
+    functorch = torch._C._functorch
+    while functorch.is_functorch_wrapped_tensor(t):
+        if functorch.is_batchedtensor(t):
+            return False
+        t = functorch.get_unwrapped(t)
+    return True

@@ -190,6 +190,33 @@ def test_vmap_with_key_ranges_matches_float64(ranges_dim):
         assert rel_err(got[i], want) <= TOL
 
 
+def test_func_transforms_with_key_ranges_as_arguments():
+    """torch.func.grad of grad, and vmap of grad with vmapped ranges, where the ranges are arguments
+    of the transformed function (so every transform level wraps them)."""
+    rc = RANGE_CASES[3]
+    q, k, v = make_inputs(rc.case)[:3]
+    starts = torch.tensor([rc.key_start, (0, 7)], device=DEVICE)
+    ends = torch.tensor([rc.key_end, (29, 8)], device=DEVICE)
+
+    def loss(q, start, end):
+        out = kernels.flash_attention(q, k, v, causal=True, backend="triton", key_start=start, key_end=end)
+        return out.sin().sum()
+
+    def reference_loss(q, entry):
+        return masked_attention(q, k.double(), v.double(), explicit_mask(entry), rc.case.d**-0.5).sin().sum()
+
+    def second(f):
+        return lambda q, *rest: torch.func.grad(lambda q_: torch.func.grad(f)(q_, *rest).square().sum())(q)
+
+    got = second(loss)(q, starts[0], ends[0])
+    assert rel_err(got, second(reference_loss)(q.double(), rc)) <= TOL
+    got = torch.func.vmap(torch.func.grad(loss))(torch.stack([q, q + 1]), starts, ends)
+    for i in range(2):
+        entry = RangeCase(rc.case, tuple(starts[i].tolist()), tuple(ends[i].tolist()), "vmapped")
+        want = torch.func.grad(reference_loss)((q + i).double(), entry)
+        assert rel_err(got[i], want) <= TOL
+
+
 def test_compiled_first_order_with_key_ranges_matches_float64():
     """Under torch.compile the ranges reach the custom ops (forward and backward) as a tensor input."""
     torch._dynamo.reset()
