@@ -10,7 +10,13 @@ from tiny_models import ARCHS, SLIDING_ARCHS, VOCAB, tiny_model
 from torch.func import functional_call
 
 from kernels import triton_ops
-from kernels.transformers_attention import UnsupportedAttentionError, register_transformers
+from kernels.transformers_attention import (
+    PaddingKeyRanges,
+    UnsupportedAttentionError,
+    make_attention_function,
+    padding_key_ranges,
+    register_transformers,
+)
 
 N = 23
 
@@ -202,6 +208,25 @@ def test_second_order_meta_gradients_left_padded_equal_eager_float64(eager_softm
             assert got[name] is None, name
             continue
         torch.testing.assert_close(got[name], g, rtol=1e-9, atol=1e-11, msg=name)
+
+
+def test_padding_key_ranges_of_each_row():
+    rows = [[0, 0, 1, 1, 1], [1, 1, 1, 0, 0], [0, 1, 1, 0, 0], [0, 0, 0, 0, 0]]  # left, right, both, none
+    keys = torch.tensor(rows, dtype=torch.bool)
+    ranges = padding_key_ranges("bob", keys)
+    assert ranges.key_start.tolist() == [2, 0, 1, 0] and ranges.key_end.tolist() == [5, 3, 3, 0]
+    assert ranges.kv_length == 5
+    assert padding_key_ranges("bob", torch.ones(2, 5, dtype=torch.bool)) is None
+    with pytest.raises(UnsupportedAttentionError, match=r"batch row\(s\) \[0, 2\] has holes"):
+        padding_key_ranges("bob", torch.tensor([[1, 0, 1], [0, 1, 1], [1, 0, 1]], dtype=torch.bool))
+
+
+def test_key_ranges_for_other_keys_are_refused():
+    attention = make_attention_function("bob", "torch")
+    q, k = torch.randn(2, 2, 5, 8), torch.randn(2, 1, 6, 8)
+    ranges = PaddingKeyRanges(torch.tensor([0, 1]), torch.tensor([5, 5]), kv_length=5)
+    with pytest.raises(UnsupportedAttentionError, match="built for 2 rows of 5 keys, the layer has 2 of 6"):
+        attention(torch.nn.Module(), q, k, k, ranges)
 
 
 def test_padding_mask_with_holes_is_refused():
