@@ -2,14 +2,17 @@
 
 Public API
     flash_attention(q, k, v, *, causal=False, window=None, scale=None, backend="auto",
-                    fp32_precision=None) -> out
+                    fp32_precision=None, key_start=None, key_end=None) -> out
     attention_forward / attention_backward / attention_bob: the three stages as plain functions.
 
 Supported
     * layout (batch, heads, seq, head_dim); q (B, Hq, N, D), k and v (B, Hkv, M, D); GQA / MQA when
       Hq is a multiple of Hkv; any N and M (rectangular attention included);
     * masks: none, causal (bottom-right aligned: query i sees keys j <= i + M - N), and causal
-      sliding window (also j > i + M - N - window); rows that see no key output zero;
+      sliding window (also j > i + M - N - window); combined with any of them, per-batch-row key
+      ranges (key_start, key_end: (B,) integer tensors; batch row b sees keys
+      key_start[b] <= j < key_end[b]: left or right padding), on every path and derivative; rows
+      that see no key output zero;
     * head dims 8 to 256, not only powers of two;
     * dtypes float16, bfloat16, float32 on the Triton path (float64 too on the torch path); float32
       products by fp32_precision: "tf32x3" (default), "ieee" or "tf32";
@@ -42,7 +45,8 @@ Hugging Face transformers
     imported only inside that call).
 
 Known limits
-    No dropout, no attention bias or arbitrary masks, no variable-length (packed) batches.
+    No dropout, no attention bias or arbitrary masks (a key range per batch row, not per query or
+    with holes), no variable-length (packed) batches.
     Triton path: a third derivative, forward mode through a gradient (jvp of grad) or through a
     tangent (jvp of jvp) raise errors. Inside a compiled region only first order works: PyTorch's
     AOTAutograd raises on a second derivative (run second-order steps eagerly), and forward mode and

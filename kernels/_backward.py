@@ -8,6 +8,7 @@ from ._tiles import (
     NO_SPECIALIZE,
     col_tile_needs_mask,
     key_range,
+    load_key_range,
     load_tile,
     lse_log2,
     query_range,
@@ -39,8 +40,9 @@ def row_dot_kernel(
 def attention_backward_dkdv_kernel(
     Q, K, V, DO, Lse, Delta, DK, DV,
     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdon, sdkb, sdkh, sdkn,
-    N, M, HEADS_Q, HEADS_KV, GROUP, OFFSET, WINDOW, qk_scale_log2, scale,
-    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
+    N, M, HEADS_Q, HEADS_KV, GROUP, OFFSET, WINDOW, qk_scale_log2, scale, KeyRange,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_RANGE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """One program: BLOCK_N keys of one (batch, kv head), summing over its GROUP query heads.
@@ -49,6 +51,7 @@ def attention_backward_dkdv_kernel(
     pid_bh = tl.program_id(1)
     b = (pid_bh // HEADS_KV).to(tl.int64)
     hk = (pid_bh % HEADS_KV).to(tl.int64)
+    KS, KE = load_key_range(KeyRange, b, M, HAS_RANGE)
     start_n = pid_n * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_m0 = tl.arange(0, BLOCK_M)
@@ -57,7 +60,7 @@ def attention_backward_dkdv_kernel(
     v = load_tile(V + b * svb + hk * svh, offs_n, offs_d, svn, M, HEAD_DIM)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    lo, hi = query_range(start_n, N, OFFSET, WINDOW, CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N)
+    lo, hi = query_range(start_n, N, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW, HAS_RANGE, BLOCK_M, BLOCK_N)
     for g in range(0, GROUP):
         h = hk * GROUP + g
         row = (b * HEADS_Q + h) * N
@@ -71,8 +74,10 @@ def attention_backward_dkdv_kernel(
             delta = tl.load(Delta + row + offs_m, mask=offs_m < N, other=0.0)
             # Transposed (key, query) tiles: P^T and dS^T are the left operands of dV and dK.
             pt = tl.exp2(tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale_log2 - lse2[None, :])
-            if col_tile_needs_mask(start_m, start_n, OFFSET, WINDOW, CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N):
-                pt = tl.where(visible_t(offs_n, offs_m, OFFSET, WINDOW, CAUSAL, HAS_WINDOW), pt, 0.0)
+            if col_tile_needs_mask(start_m, start_n, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW, HAS_RANGE,
+                                   BLOCK_M, BLOCK_N):
+                seen = visible_t(offs_n, offs_m, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW, HAS_RANGE)
+                pt = tl.where(seen, pt, 0.0)
             dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
             dst = pt * (dpt - delta[None, :])
             dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=PRECISION)
@@ -85,8 +90,9 @@ def attention_backward_dkdv_kernel(
 def attention_backward_dq_kernel(
     Q, K, V, DO, Lse, Delta, DQ,
     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdon, sdqb, sdqh, sdqn,
-    N, M, HEADS_Q, GROUP, OFFSET, WINDOW, qk_scale_log2, scale,
-    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
+    N, M, HEADS_Q, GROUP, OFFSET, WINDOW, qk_scale_log2, scale, KeyRange,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_RANGE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """One program: BLOCK_M query rows of one (batch, query head). Grid (cdiv(N, BLOCK_M), B * Hq)."""
@@ -95,6 +101,7 @@ def attention_backward_dq_kernel(
     b = (pid_bh // HEADS_Q).to(tl.int64)
     h = (pid_bh % HEADS_Q).to(tl.int64)
     hk = h // GROUP
+    KS, KE = load_key_range(KeyRange, b, M, HAS_RANGE)
     row = pid_bh.to(tl.int64) * N
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -107,14 +114,16 @@ def attention_backward_dq_kernel(
     lse2 = lse_log2(Lse + row, offs_m, N)
     delta = tl.load(Delta + row + offs_m, mask=offs_m < N, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    lo, hi = key_range(start_m, M, OFFSET, WINDOW, CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N)
+    lo, hi = key_range(start_m, M, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW, HAS_RANGE, BLOCK_M, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
         k = load_tile(k_base, offs_n, offs_d, skn, M, HEAD_DIM)
         v = load_tile(v_base, offs_n, offs_d, svn, M, HEAD_DIM)
         p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale_log2 - lse2[:, None])
-        if row_tile_needs_mask(start_m, start_n, M, OFFSET, WINDOW, CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N):
-            p = tl.where(visible(offs_m, offs_n, N, M, OFFSET, WINDOW, CAUSAL, HAS_WINDOW), p, 0.0)
+        if row_tile_needs_mask(start_m, start_n, M, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW,
+                               HAS_RANGE, BLOCK_M, BLOCK_N):
+            seen = visible(offs_m, offs_n, N, M, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW, HAS_RANGE)
+            p = tl.where(seen, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)

@@ -29,6 +29,7 @@ from ._tiles import (
     NO_SPECIALIZE,
     col_tile_needs_mask,
     key_range,
+    load_key_range,
     load_tile,
     lse_log2,
     query_range,
@@ -44,10 +45,10 @@ def attention_bob_rows_kernel(
     Q, K, V, O, DO, DQ, UQ, UK, UV, Lse, Delta, GQ, GDO, C, E,
     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, sdob, sdoh, sdon,
     sdqb, sdqh, sdqn, suqb, suqh, suqn, sukb, sukh, sukn, suvb, suvh, suvn, sgb, sgh, sgn,
-    N, M, HEADS_Q, GROUP, OFFSET, WINDOW, qk_scale_log2, scale,
-    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr,
-    HAS_UV: tl.constexpr, HAS_G: tl.constexpr, WANT_GQ: tl.constexpr, WANT_GDO: tl.constexpr,
-    HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
+    N, M, HEADS_Q, GROUP, OFFSET, WINDOW, qk_scale_log2, scale, KeyRange,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_RANGE: tl.constexpr, HAS_UQ: tl.constexpr,
+    HAS_UK: tl.constexpr, HAS_UV: tl.constexpr, HAS_G: tl.constexpr, WANT_GQ: tl.constexpr,
+    WANT_GDO: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     """One program: BLOCK_M query rows of one (batch, query head); writes Q̄, c, e (WANT_GQ) and
@@ -57,6 +58,7 @@ def attention_bob_rows_kernel(
     b = (pid_bh // HEADS_Q).to(tl.int64)
     h = (pid_bh % HEADS_Q).to(tl.int64)
     hk = h // GROUP
+    KS, KE = load_key_range(KeyRange, b, M, HAS_RANGE)
     row = pid_bh.to(tl.int64) * N
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -79,14 +81,16 @@ def attention_bob_rows_kernel(
     acc_do = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)   # sum P U_V + (P*G) V
     c = tl.zeros([BLOCK_M], tl.float32)
     x_sum = tl.zeros([BLOCK_M], tl.float32)
-    lo, hi = key_range(start_m, M, OFFSET, WINDOW, CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N)
+    lo, hi = key_range(start_m, M, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW, HAS_RANGE, BLOCK_M, BLOCK_N)
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         offs_n = start_n + offs_n0
         k = load_tile(k_base, offs_n, offs_d, skn, M, HEAD_DIM)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         p = tl.exp2(s * qk_scale_log2 - lse2[:, None])
-        if row_tile_needs_mask(start_m, start_n, M, OFFSET, WINDOW, CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N):
-            p = tl.where(visible(offs_m, offs_n, N, M, OFFSET, WINDOW, CAUSAL, HAS_WINDOW), p, 0.0)
+        if row_tile_needs_mask(start_m, start_n, M, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW,
+                               HAS_RANGE, BLOCK_M, BLOCK_N):
+            seen = visible(offs_m, offs_n, N, M, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW, HAS_RANGE)
+            p = tl.where(seen, p, 0.0)
         x = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         if HAS_UV:
             uv = load_tile(uv_base, offs_n, offs_d, suvn, M, HEAD_DIM)
@@ -136,9 +140,10 @@ def attention_bob_cols_kernel(
     Q, K, V, DO, UQ, UK, UV, Lse, Delta, C, E, GK, GV,
     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdon,
     suqb, suqh, suqn, sukb, sukh, sukn, suvb, suvh, suvn, sgb, sgh, sgn,
-    N, M, HEADS_Q, HEADS_KV, GROUP, OFFSET, WINDOW, qk_scale_log2, scale,
-    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr,
-    HAS_UV: tl.constexpr, HAS_G: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
+    N, M, HEADS_Q, HEADS_KV, GROUP, OFFSET, WINDOW, qk_scale_log2, scale, KeyRange,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_RANGE: tl.constexpr, HAS_UQ: tl.constexpr,
+    HAS_UK: tl.constexpr, HAS_UV: tl.constexpr, HAS_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     """One program: BLOCK_N keys of one (batch, kv head), summing over its GROUP query heads;
@@ -148,6 +153,7 @@ def attention_bob_cols_kernel(
     pid_bh = tl.program_id(1)
     b = (pid_bh // HEADS_KV).to(tl.int64)
     hk = (pid_bh % HEADS_KV).to(tl.int64)
+    KS, KE = load_key_range(KeyRange, b, M, HAS_RANGE)
     start_n = pid_n * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_m0 = tl.arange(0, BLOCK_M)
@@ -161,7 +167,7 @@ def attention_bob_cols_kernel(
         uv = load_tile(UV + b * suvb + hk * suvh, offs_n, offs_d, suvn, M, HEAD_DIM)
     acc_k = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     acc_v = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    lo, hi = query_range(start_n, N, OFFSET, WINDOW, CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N)
+    lo, hi = query_range(start_n, N, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW, HAS_RANGE, BLOCK_M, BLOCK_N)
     for g_head in range(0, GROUP):
         h = hk * GROUP + g_head
         row = (b * HEADS_Q + h) * N
@@ -175,8 +181,10 @@ def attention_bob_cols_kernel(
             e = tl.load(E + row + offs_m, mask=offs_m < N, other=0.0)
             st = tl.dot(k, tl.trans(q), input_precision=PRECISION)
             pt = tl.exp2(st * qk_scale_log2 - lse2[None, :])
-            if col_tile_needs_mask(start_m, start_n, OFFSET, WINDOW, CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N):
-                pt = tl.where(visible_t(offs_n, offs_m, OFFSET, WINDOW, CAUSAL, HAS_WINDOW), pt, 0.0)
+            if col_tile_needs_mask(start_m, start_n, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW, HAS_RANGE,
+                                   BLOCK_M, BLOCK_N):
+                seen = visible_t(offs_n, offs_m, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW, HAS_RANGE)
+                pt = tl.where(seen, pt, 0.0)
             gpt = tl.zeros([BLOCK_N, BLOCK_M], tl.float32) - e[None, :]    # (G_P - e)^T
             if HAS_UV or HAS_G:
                 do = load_tile(do_base, offs_m, offs_d, sdon, N, HEAD_DIM)

@@ -12,7 +12,7 @@ docs/forward_mode.md). Absent tangents are compile-time flags: their products ar
 import triton
 import triton.language as tl
 
-from ._tiles import key_range, load_tile, row_tile_needs_mask, store_tile, visible
+from ._tiles import key_range, load_key_range, load_tile, row_tile_needs_mask, store_tile, visible
 
 
 @triton.jit
@@ -20,9 +20,9 @@ def attention_jvp_kernel(
     Q, K, V, TQ, TK, TV, Out, TOut, Lse,
     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, stqb, stqh, stqn, stkb, stkh, stkn,
     stvb, stvh, stvn, sob, soh, son,
-    N, M, HEADS_Q, GROUP, OFFSET, WINDOW, qk_scale_log2, scale,
-    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_TQ: tl.constexpr, HAS_TK: tl.constexpr,
-    HAS_TV: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
+    N, M, HEADS_Q, GROUP, OFFSET, WINDOW, qk_scale_log2, scale, KeyRange,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_RANGE: tl.constexpr, HAS_TQ: tl.constexpr,
+    HAS_TK: tl.constexpr, HAS_TV: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """One program: BLOCK_M query rows of one (batch, query head). Grid (cdiv(N, BLOCK_M), B * Hq).
@@ -32,6 +32,7 @@ def attention_jvp_kernel(
     b = (pid_bh // HEADS_Q).to(tl.int64)
     h = (pid_bh % HEADS_Q).to(tl.int64)
     hk = h // GROUP
+    KS, KE = load_key_range(KeyRange, b, M, HAS_RANGE)
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
@@ -49,14 +50,16 @@ def attention_jvp_kernel(
     mu_acc = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     t_acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    lo, hi = key_range(start_m, M, OFFSET, WINDOW, CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N)
+    lo, hi = key_range(start_m, M, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW, HAS_RANGE, BLOCK_M, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
         k = load_tile(k_base, offs_n, offs_d, skn, M, HEAD_DIM)
         v = load_tile(v_base, offs_n, offs_d, svn, M, HEAD_DIM)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale_log2
-        if row_tile_needs_mask(start_m, start_n, M, OFFSET, WINDOW, CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N):
-            s = tl.where(visible(offs_m, offs_n, N, M, OFFSET, WINDOW, CAUSAL, HAS_WINDOW), s, float("-inf"))
+        if row_tile_needs_mask(start_m, start_n, M, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW,
+                               HAS_RANGE, BLOCK_M, BLOCK_N):
+            seen = visible(offs_m, offs_n, N, M, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW, HAS_RANGE)
+            s = tl.where(seen, s, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(s, 1))
         # Rows that have seen no visible key yet keep a -inf max; shift them by 0 instead.
         shift = tl.where(new_max == float("-inf"), 0.0, new_max)

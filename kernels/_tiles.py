@@ -1,5 +1,9 @@
 """Triton helpers shared by the attention kernels: pointers to tiles, masks, and the ranges of
-tiles a mask leaves visible (so that fully masked tiles are never visited)."""
+tiles a mask leaves visible (so that fully masked tiles are never visited).
+
+Per-batch-row key ranges (HAS_RANGE, a compile-time flag): batch row b sees only keys
+KS <= j < KE, read once per program by `load_key_range`, on top of the causal / window mask.
+Without ranges every range term is left out of the compiled kernel."""
 
 import triton
 import triton.language as tl
@@ -40,46 +44,71 @@ def store_tile(base, value, offs_rows, offs_d, stride_row, n_rows, HEAD_DIM: tl.
 
 
 @triton.jit
-def visible(offs_m, offs_n, N, M, OFFSET, WINDOW, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
-    """(BLOCK_M, BLOCK_N) mask: True where query offs_m may attend to key offs_n (both in range)."""
+def load_key_range(KeyRange, b, M, HAS_RANGE: tl.constexpr):
+    """[ks, ke): the keys batch row b may see, from KeyRange (B, 2) int32, clipped to [0, M) (ke >= ks);
+    (0, M) without ranges."""
+    if HAS_RANGE:
+        ks = tl.maximum(tl.load(KeyRange + 2 * b), 0)
+        ke = tl.maximum(tl.minimum(tl.load(KeyRange + 2 * b + 1), M), ks)
+    else:
+        ks = 0
+        ke = M
+    return ks, ke
+
+
+@triton.jit
+def visible(offs_m, offs_n, N, M, OFFSET, WINDOW, KS, KE, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+            HAS_RANGE: tl.constexpr):
+    """(BLOCK_M, BLOCK_N) mask: True where query offs_m may attend to key offs_n (both in range, and the
+    key in the batch row's [KS, KE) with ranges)."""
     mask = (offs_m[:, None] < N) & (offs_n[None, :] < M)
     if CAUSAL:
         mask = mask & (offs_n[None, :] <= offs_m[:, None] + OFFSET)
         if HAS_WINDOW:
             mask = mask & (offs_n[None, :] > offs_m[:, None] + OFFSET - WINDOW)
+    if HAS_RANGE:
+        mask = mask & (offs_n[None, :] >= KS) & (offs_n[None, :] < KE)
     return mask
 
 
 @triton.jit
-def row_tile_needs_mask(start_m, start_n, M, OFFSET, WINDOW, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+def row_tile_needs_mask(start_m, start_n, M, OFFSET, WINDOW, KS, KE, CAUSAL: tl.constexpr,
+                        HAS_WINDOW: tl.constexpr, HAS_RANGE: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """In a kernel over query rows: whether key tile start_n has keys that some row of the block
-    start_m may not see (past M, after the causal limit, or before the window)."""
+    start_m may not see (past M, after the causal limit, before the window, or outside [KS, KE))."""
     needs = start_n + BLOCK_N > M
     if CAUSAL:
         needs = needs | (start_n + BLOCK_N > start_m + OFFSET + 1)
         if HAS_WINDOW:
             needs = needs | (start_n < start_m + BLOCK_M + OFFSET - WINDOW)
+    if HAS_RANGE:
+        needs = needs | (start_n < KS) | (start_n + BLOCK_N > KE)
     return needs
 
 
 @triton.jit
-def col_tile_needs_mask(start_m, start_n, OFFSET, WINDOW, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+def col_tile_needs_mask(start_m, start_n, OFFSET, WINDOW, KS, KE, CAUSAL: tl.constexpr,
+                        HAS_WINDOW: tl.constexpr, HAS_RANGE: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """In a kernel over key columns: whether query tile start_m has rows that may not see some key
-    of the block start_n. Rows past N need no mask there: their lse is +inf, so P is 0."""
+    of the block start_n (with ranges, any block with keys outside [KS, KE)). Rows past N need no
+    mask there: their lse is +inf, so P is 0."""
     needs = start_m < 0
     if CAUSAL:
         needs = needs | (start_m < start_n + BLOCK_N - 1 - OFFSET)
         if HAS_WINDOW:
             needs = needs | (start_m + BLOCK_M > start_n - OFFSET + WINDOW)
+    if HAS_RANGE:
+        needs = needs | (start_n < KS) | (start_n + BLOCK_N > KE)
     return needs
 
 
 @triton.jit
-def key_range(start_m, M, OFFSET, WINDOW, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """[lo, hi): the keys that rows start_m .. start_m + BLOCK_M - 1 may see; lo is BLOCK_N-aligned."""
+def key_range(start_m, M, OFFSET, WINDOW, KS, KE, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+              HAS_RANGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[lo, hi): the keys that rows start_m .. start_m + BLOCK_M - 1 may see (within [KS, KE) with
+    ranges; empty when that range is); lo is BLOCK_N-aligned."""
     lo = 0
     hi = M
     if CAUSAL:
@@ -87,20 +116,32 @@ def key_range(start_m, M, OFFSET, WINDOW, CAUSAL: tl.constexpr, HAS_WINDOW: tl.c
         if HAS_WINDOW:
             lo = tl.maximum(0, start_m + OFFSET - WINDOW + 1)
             lo = (lo // BLOCK_N) * BLOCK_N
+    if HAS_RANGE:
+        lo = tl.maximum(lo, (KS // BLOCK_N) * BLOCK_N)
+        hi = tl.minimum(hi, KE)
+        hi = tl.where(KE > KS, hi, lo)
     return lo, hi
 
 
 @triton.jit
-def query_range(start_n, N, OFFSET, WINDOW, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """[lo, hi): the queries that may see keys start_n .. start_n + BLOCK_N - 1; lo is BLOCK_M-aligned."""
+def query_range(start_n, N, OFFSET, WINDOW, KS, KE, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                HAS_RANGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[lo, hi): the queries that may see keys start_n .. start_n + BLOCK_N - 1 (those of them in
+    [KS, KE) with ranges; empty when there are none); lo is BLOCK_M-aligned."""
+    first = start_n
+    last = start_n + BLOCK_N - 1
+    if HAS_RANGE:
+        first = tl.maximum(first, KS)
+        last = tl.minimum(last, KE - 1)
     lo = 0
     hi = N
     if CAUSAL:
-        lo = tl.maximum(0, start_n - OFFSET)
+        lo = tl.maximum(0, first - OFFSET)
         lo = (lo // BLOCK_M) * BLOCK_M
         if HAS_WINDOW:
-            hi = tl.minimum(N, start_n + BLOCK_N - 1 - OFFSET + WINDOW)
+            hi = tl.minimum(N, last - OFFSET + WINDOW)
+    if HAS_RANGE:
+        hi = tl.where(last >= first, hi, lo)
     return lo, hi
 
 
@@ -112,9 +153,15 @@ def lse_log2(lse_ptr, offs_m, N):
 
 
 @triton.jit
-def visible_t(offs_n, offs_m, OFFSET, WINDOW, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+def visible_t(offs_n, offs_m, OFFSET, WINDOW, KS, KE, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+              HAS_RANGE: tl.constexpr):
     """(BLOCK_N, BLOCK_M) mask for kernels over key columns: True where query offs_m sees key offs_n."""
-    mask = offs_n[:, None] <= offs_m[None, :] + OFFSET
-    if HAS_WINDOW:
-        mask = mask & (offs_n[:, None] > offs_m[None, :] + OFFSET - WINDOW)
+    if CAUSAL:
+        mask = offs_n[:, None] <= offs_m[None, :] + OFFSET
+        if HAS_WINDOW:
+            mask = mask & (offs_n[:, None] > offs_m[None, :] + OFFSET - WINDOW)
+        if HAS_RANGE:
+            mask = mask & (offs_n[:, None] >= KS) & (offs_n[:, None] < KE)
+    else:
+        mask = (offs_n[:, None] >= KS) & (offs_n[:, None] < KE) & (offs_m[None, :] >= 0)
     return mask

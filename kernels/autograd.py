@@ -10,6 +10,10 @@ Forward mode: `AttentionFunction.jvp` runs the fused forward-with-tangent kernel
 `AttentionJvpFunction`, whose backward (a loss on the tangent) runs the first backward and the BoB.
 Every Function has a `vmap` rule that folds the vmapped dim into the batch. Derivations and what
 each transform supports: docs/forward_mode.md.
+
+Per-batch-row key ranges travel as a tensor argument `key_range` ((B, 2) int32, or None) of every
+Function, just before the options: an integer input, never differentiated (its gradient and
+tangent are None), and folded with the batch by the vmap rule like any other tensor.
 """
 
 from __future__ import annotations
@@ -66,8 +70,8 @@ class AttentionFunction(torch.autograd.Function):
     `AttentionJvpFunction`."""
 
     @staticmethod
-    def forward(q, k, v, opts: _Options):
-        return triton_ops.forward(q, k, v, **opts.kwargs())
+    def forward(q, k, v, key_range, opts: _Options):
+        return triton_ops.forward(q, k, v, key_range=key_range, **opts.kwargs())
 
     @staticmethod
     def vmap(info, in_dims, *args):
@@ -75,35 +79,37 @@ class AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, opts = inputs
+        q, k, v, key_range, opts = inputs
         out, lse = output
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.save_for_forward(q, k, v)
-        ctx.opts = opts
+        ctx.key_range, ctx.opts = key_range, opts
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)
 
     @staticmethod
-    def jvp(ctx, t_q, t_k, t_v, _t_opts):
+    def jvp(ctx, t_q, t_k, t_v, _t_key_range, _t_opts):
         q, k, v = ctx.saved_tensors
-        _, _, t_out = AttentionJvpFunction.apply(q, k, v, t_q, t_k, t_v, ctx.opts)
+        _, _, t_out = AttentionJvpFunction.apply(q, k, v, t_q, t_k, t_v, ctx.key_range, ctx.opts)
         return t_out, None
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         if dout is None:
-            return None, None, None, None
+            return None, None, None, None, None
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = AttentionBackwardFunction.apply(q, k, v, out.detach(), lse.detach(), dout, ctx.opts)
-        return dq, dk, dv, None
+        dq, dk, dv = AttentionBackwardFunction.apply(
+            q, k, v, out.detach(), lse.detach(), dout, ctx.key_range, ctx.opts
+        )
+        return dq, dk, dv, None, None
 
 
 class AttentionBackwardFunction(torch.autograd.Function):
     """(q, k, v, out, lse, dout) -> (dq, dk, dv); its backward is the FlashBoB stage."""
 
     @staticmethod
-    def forward(q, k, v, out, lse, dout, opts: _Options):
-        return triton_ops.backward(q, k, v, out, lse, dout, **opts.kwargs())
+    def forward(q, k, v, out, lse, dout, key_range, opts: _Options):
+        return triton_ops.backward(q, k, v, out, lse, dout, key_range=key_range, **opts.kwargs())
 
     jvp = staticmethod(_refuse_forward_mode)
 
@@ -113,29 +119,31 @@ class AttentionBackwardFunction(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, out, lse, dout, opts = inputs
+        q, k, v, out, lse, dout, key_range, opts = inputs
         dq, _, _ = output
         ctx.save_for_backward(q, k, v, out, lse, dout, dq)
-        ctx.opts = opts
+        ctx.key_range, ctx.opts = key_range, opts
         ctx.set_materialize_grads(False)
 
     @staticmethod
     def backward(ctx, u_q, u_k, u_v):
         if u_q is None and u_k is None and u_v is None:
-            return (None,) * 7
+            return (None,) * 8
         q, k, v, out, lse, dout, dq = ctx.saved_tensors
         grad_q, grad_k, grad_v, grad_dout = BobFunction.apply(
-            q, k, v, out, lse, dout, dq.detach(), u_q, u_k, u_v, ctx.opts
+            q, k, v, out, lse, dout, dq.detach(), u_q, u_k, u_v, ctx.key_range, ctx.opts
         )
-        return grad_q, grad_k, grad_v, None, None, grad_dout, None
+        return grad_q, grad_k, grad_v, None, None, grad_dout, None, None
 
 
 class BobFunction(torch.autograd.Function):
     """The FlashBoB stage as a Function, so that a third derivative fails loudly, not silently."""
 
     @staticmethod
-    def forward(q, k, v, out, lse, dout, dq, u_q, u_k, u_v, opts: _Options):
-        return triton_ops.bob(q, k, v, out, lse, dout, dq, u_q, u_k, u_v, **opts.kwargs())
+    def forward(q, k, v, out, lse, dout, dq, u_q, u_k, u_v, key_range, opts: _Options):
+        return triton_ops.bob(
+            q, k, v, out, lse, dout, dq, u_q, u_k, u_v, key_range=key_range, **opts.kwargs()
+        )
 
     jvp = staticmethod(_refuse_forward_mode)
 
@@ -164,8 +172,8 @@ class AttentionJvpFunction(torch.autograd.Function):
     cotangents u = t. out and lse are outputs for the launcher's sake only (not differentiable)."""
 
     @staticmethod
-    def forward(q, k, v, t_q, t_k, t_v, opts: _Options):
-        return triton_ops.jvp(q, k, v, t_q, t_k, t_v, **opts.kwargs())
+    def forward(q, k, v, t_q, t_k, t_v, key_range, opts: _Options):
+        return triton_ops.jvp(q, k, v, t_q, t_k, t_v, key_range=key_range, **opts.kwargs())
 
     jvp = staticmethod(_refuse_forward_mode)
 
@@ -175,38 +183,42 @@ class AttentionJvpFunction(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, t_q, t_k, t_v, opts = inputs
+        q, k, v, t_q, t_k, t_v, key_range, opts = inputs
         out, lse, _ = output
         ctx.save_for_backward(q, k, v, t_q, t_k, t_v, out, lse)
-        ctx.opts = opts
+        ctx.key_range, ctx.opts = key_range, opts
         ctx.mark_non_differentiable(out, lse)
         ctx.set_materialize_grads(False)
 
     @staticmethod
     def backward(ctx, _dout, _dlse, g):
         if g is None:
-            return (None,) * 7
+            return (None,) * 8
         q, k, v, t_q, t_k, t_v, out, lse = ctx.saved_tensors
         out, lse = out.detach(), lse.detach()
-        grads_t = AttentionBackwardFunction.apply(q, k, v, out, lse, g, ctx.opts)
+        grads_t = AttentionBackwardFunction.apply(q, k, v, out, lse, g, ctx.key_range, ctx.opts)
         grads_x = (None, None, None)
         if any(ctx.needs_input_grad[:3]) and not (t_q is None and t_k is None and t_v is None):
             dq = grads_t[0].detach()
-            grads_x = BobFunction.apply(q, k, v, out, lse, g, dq, t_q, t_k, t_v, ctx.opts)[:3]
+            grads_x = BobFunction.apply(
+                q, k, v, out, lse, g, dq, t_q, t_k, t_v, ctx.key_range, ctx.opts
+            )[:3]
         grads_t = tuple(None if t is None else d for t, d in zip((t_q, t_k, t_v), grads_t))
-        return (*grads_x, *grads_t, None)
+        return (*grads_x, *grads_t, None, None)
 
 
 def triton_attention(q, k, v, *, causal: bool, window: int | None, scale: float,
-                     fp32_precision: str | None = None) -> torch.Tensor:
+                     fp32_precision: str | None = None,
+                     key_range: torch.Tensor | None = None) -> torch.Tensor:
     """Triton attention with a twice-differentiable backward. Shapes as `kernels.flash_attention`;
-    fp32_precision applies to every stage. Under torch.compile it is the custom op of
-    `kernels.compiled` instead (first order only)."""
+    key_range (B, 2) int32 or None; fp32_precision applies to every stage. Under torch.compile it is
+    the custom op of `kernels.compiled` instead (first order only)."""
     if torch.compiler.is_compiling():
         from .compiled import compiled_attention
 
         return compiled_attention(
-            q, k, v, causal=causal, window=window, scale=scale, fp32_precision=fp32_precision
+            q, k, v, causal=causal, window=window, scale=scale, fp32_precision=fp32_precision,
+            key_range=key_range,
         )
-    out, _ = AttentionFunction.apply(q, k, v, _Options(causal, window, scale, fp32_precision))
+    out, _ = AttentionFunction.apply(q, k, v, key_range, _Options(causal, window, scale, fp32_precision))
     return out

@@ -12,19 +12,23 @@ What transformers hands an attention function, and what we do with it
     (or `module.is_causal`).
     attention_mask: transformers builds it with the mask function registered under the same name.
     Ours (`bob_mask`) evaluates the pattern transformers asks for (its mask function, the padding
-    mask, the cache offsets) and returns None when that pattern is exactly the op's causal (sliding
-    window) mask, bottom-right aligned; anything else raises `UnsupportedAttentionError`. So a mask
-    reaches the attention function only when the caller prepared one itself (a custom 4-D mask):
-    refused too.
+    mask, the cache offsets) and accepts it when it is the op's causal (sliding window) mask,
+    bottom-right aligned, restricted to one contiguous range of keys per batch row (a padding mask:
+    left, right or both sides). It returns None without padding and a `PaddingKeyRanges` with
+    padding, which the attention function passes on as the op's key_start / key_end; anything else
+    raises `UnsupportedAttentionError`. Any other mask reaching the attention function was prepared
+    by the caller (a custom 4-D mask): refused too.
 
 Refused, with an error that names the problem
-    padding (an attention_mask with zeros: the op has no per-row key lengths), packed sequences,
+    padding masks whose valid keys are not one contiguous range per row (holes), packed sequences,
     block-wise or custom overlays, static-cache slots, prepared 4-D masks, bidirectional attention,
     attention dropout (training with attention_dropout > 0), logit soft-capping (Gemma-2), attention
     sinks (`s_aux`), position biases, output_attentions=True.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -40,6 +44,42 @@ class UnsupportedAttentionError(ValueError):
 
 def _refuse(name: str, problem: str) -> UnsupportedAttentionError:
     return UnsupportedAttentionError(f"attn_implementation={name!r}: {problem}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PaddingKeyRanges:
+    """What `bob_mask` hands the attention function for a padded batch, in place of a mask tensor:
+    batch row b sees keys key_start[b] <= j < key_end[b] of the layer's kv_length keys, on top of the
+    causal / sliding-window mask. key_start, key_end: (B,) int64 on the mask's device."""
+
+    key_start: torch.Tensor
+    key_end: torch.Tensor
+    kv_length: int
+
+
+def padding_key_ranges(name: str, keys: torch.Tensor) -> PaddingKeyRanges | None:
+    """keys: (B, K) bool, True at the keys each batch row may see (transformers' 2-D padding mask,
+    cut to the layer's keys). Returns None when every key is valid, the per-row [start, end) when
+    each row's valid keys are one contiguous range (an all-padding row gives an empty range), and
+    raises `UnsupportedAttentionError` when some row has holes."""
+    if bool(keys.all()):
+        return None
+    n_keys = keys.shape[-1]
+    idx = torch.arange(n_keys, device=keys.device)
+    count = keys.sum(-1)
+    start = torch.where(keys, idx, n_keys).amin(-1)
+    end = torch.where(keys, idx + 1, 0).amax(-1)
+    start, end = torch.where(count > 0, start, 0), torch.where(count > 0, end, 0)
+    holes = count != end - start
+    if bool(holes.any()):
+        rows = holes.nonzero().flatten().tolist()
+        raise _refuse(
+            name,
+            f"the padding mask (attention_mask) of batch row(s) {rows} has holes: the op expresses a "
+            "padding mask only when each row's valid keys form one contiguous range (left or right "
+            "padding). Use attn_implementation='eager' for this mask.",
+        )
+    return PaddingKeyRanges(start, end, n_keys)
 
 
 def _expected_pattern(rows: torch.Tensor, n_keys: int, n_queries: int, window: int | None) -> torch.Tensor:
@@ -64,22 +104,25 @@ def check_mask_pattern(
     padding_mask: torch.Tensor | None,
     window: int | None,
     device,
-) -> None:
-    """Raise `UnsupportedAttentionError` unless transformers' mask equals the op's causal mask.
+) -> PaddingKeyRanges | None:
+    """Check that transformers' mask is the op's causal mask restricted to one key range per row.
 
     mask_function(batch_idx, head_idx, q_idx, kv_idx) -> bool is transformers' index-based mask;
     padding_mask (B, >= kv_offset + kv_length) bool or None; window the sliding window or None.
-    The pattern is evaluated exactly, MASK_ROWS_PER_CHECK query rows at a time.
+    The pattern is evaluated exactly, MASK_ROWS_PER_CHECK query rows at a time. Returns the padding
+    mask's key ranges (`padding_key_ranges`), or None without padding; raises
+    `UnsupportedAttentionError` for anything else.
     """
+    ranges = None
     if padding_mask is not None:
         keys = padding_mask[:, kv_offset : kv_offset + kv_length].to(device=device, dtype=torch.bool)
-        if keys.shape[-1] != kv_length or not bool(keys.all()):
+        if keys.shape != (batch_size, kv_length):
             raise _refuse(
                 name,
-                "padding masks (an attention_mask with zeros) cannot be expressed: the op has no per-row "
-                "key lengths. Pass sequences of equal length with attention_mask=None or all ones, or use "
-                "attn_implementation='eager' for padded batches.",
+                f"the padding mask (attention_mask) of shape {tuple(padding_mask.shape)} does not cover "
+                f"the {kv_length} keys from offset {kv_offset} of a batch of {batch_size}.",
             )
+        ranges = padding_key_ranges(name, keys)
     batch = torch.arange(batch_size, device=device)[:, None, None, None]
     head = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device)
     kv_idx = torch.arange(kv_length, device=device)[None, None, None, :] + kv_offset
@@ -101,10 +144,12 @@ def check_mask_pattern(
                 f"kv_offset={kv_offset}): packed sequences, block-wise or custom mask overlays, "
                 "bidirectional attention and static-cache slots cannot be expressed.",
             )
+    return ranges
 
 
 def make_mask_function(name: str):
-    """transformers' AttentionMaskInterface entry for `name`: checks the pattern, returns None.
+    """transformers' AttentionMaskInterface entry for `name`: checks the pattern, returns None or,
+    for a padded batch, its `PaddingKeyRanges` (what the attention function then receives).
 
     Called by transformers' create_causal_mask / create_sliding_window_causal_mask /
     create_bidirectional_mask with (batch_size, q_length, kv_length, q_offset, kv_offset,
@@ -122,14 +167,14 @@ def make_mask_function(name: str):
         local_size: int | None = None,
         device=None,
         **kwargs,
-    ) -> None:
+    ) -> PaddingKeyRanges | None:
         if mask_function is None:
             raise _refuse(name, "transformers passed no mask function; cannot tell which mask it wants")
         if isinstance(q_offset, torch.Tensor):
             q_offset = int(q_offset)
         if isinstance(kv_offset, torch.Tensor):
             kv_offset = int(kv_offset)
-        check_mask_pattern(
+        return check_mask_pattern(
             name,
             batch_size=batch_size,
             q_length=q_length,
@@ -141,7 +186,6 @@ def make_mask_function(name: str):
             window=local_size,
             device=device if device is not None else "cpu",
         )
-        return None
 
     return bob_mask
 
@@ -150,8 +194,8 @@ def make_attention_function(name: str, backend: str):
     """transformers' AttentionInterface entry for `name`, running `flash_attention(backend=backend)`.
 
     Signature as transformers calls it: (module, query (B, Hq, N, D), key (B, Hkv, M, D),
-    value (B, Hkv, M, D), attention_mask, scaling, dropout, sliding_window, softcap, is_causal,
-    **kwargs) -> (out (B, N, Hq, D), None).
+    value (B, Hkv, M, D), attention_mask (None or the mask function's `PaddingKeyRanges`), scaling,
+    dropout, sliding_window, softcap, is_causal, **kwargs) -> (out (B, N, Hq, D), None).
     """
 
     def bob_attention(
@@ -167,7 +211,17 @@ def make_attention_function(name: str, backend: str):
         is_causal: bool | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, None]:
-        if attention_mask is not None:
+        ranges = {}
+        if isinstance(attention_mask, PaddingKeyRanges):
+            if attention_mask.kv_length != key.shape[2] or attention_mask.key_start.shape[0] != key.shape[0]:
+                raise _refuse(
+                    name,
+                    f"the padding mask was built for {attention_mask.key_start.shape[0]} rows of "
+                    f"{attention_mask.kv_length} keys, the layer has {key.shape[0]} of {key.shape[2]}.",
+                )
+            ranges = {"key_start": attention_mask.key_start.to(key.device),
+                      "key_end": attention_mask.key_end.to(key.device)}
+        elif attention_mask is not None:
             raise _refuse(
                 name,
                 f"got a prepared attention mask of shape {tuple(attention_mask.shape)}; arbitrary masks "
@@ -195,7 +249,8 @@ def make_attention_function(name: str, backend: str):
         if kwargs.get("output_attentions"):
             raise _refuse(name, "output_attentions=True: the op never forms the attention weights.")
         window = None if sliding_window is None else int(sliding_window)
-        out = flash_attention(query, key, value, causal=True, window=window, scale=scaling, backend=backend)
+        out = flash_attention(query, key, value, causal=True, window=window, scale=scaling, backend=backend,
+                              **ranges)
         return out.transpose(1, 2), None
 
     return bob_attention

@@ -40,8 +40,13 @@ def _precision(dtype: torch.dtype, fp32_precision: str | None = None) -> str:
     return check_fp32_precision(fp32_precision) if dtype == torch.float32 else "tf32"
 
 
-def _mask_args(causal: bool, window: int | None, n: int, m: int) -> dict:
-    return {"OFFSET": m - n, "WINDOW": window or 0, "CAUSAL": causal, "HAS_WINDOW": window is not None}
+def _mask_args(causal: bool, window: int | None, n: int, m: int, key_range: torch.Tensor | None,
+               stand_in: torch.Tensor) -> dict:
+    """The kernels' mask arguments. key_range: (B, 2) int32 [start, end) per batch row, or None (no
+    ranges: HAS_RANGE is off and `stand_in`, never read, fills the pointer)."""
+    return {"OFFSET": m - n, "WINDOW": window or 0, "CAUSAL": causal, "HAS_WINDOW": window is not None,
+            "KeyRange": stand_in if key_range is None else key_range.contiguous(),
+            "HAS_RANGE": key_range is not None}
 
 
 def row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -57,9 +62,12 @@ def row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def forward(q, k, v, *, causal: bool, window: int | None, scale: float, fp32_precision: str | None = None):
+def forward(q, k, v, *, causal: bool, window: int | None, scale: float, fp32_precision: str | None = None,
+            key_range: torch.Tensor | None = None):
     """q: (B, Hq, N, D); k, v: (B, Hkv, M, D). Returns out (B, Hq, N, D) and lse (B, Hq, N) float32.
-    fp32_precision: the products of float32 inputs (`validation.check_fp32_precision`)."""
+    fp32_precision: the products of float32 inputs (`validation.check_fp32_precision`).
+    key_range: (B, 2) int32, batch row b sees keys key_range[b, 0] <= j < key_range[b, 1] (on top of
+    the causal / window mask), or None (every key); the same in every launcher."""
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     batch, heads_q, n, d = q.shape
     heads_kv, m = k.shape[1], k.shape[2]
@@ -71,7 +79,7 @@ def forward(q, k, v, *, causal: bool, window: int | None, scale: float, fp32_pre
         return attention_forward_kernel[(triton.cdiv(n, cfg["BLOCK_M"]), batch * heads_q)](
             q, k, v, out, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
             n, m, heads_q, heads_q // heads_kv, qk_scale_log2=scale * LOG2E,
-            **_mask_args(causal, window, n, m), HEAD_DIM=d, PRECISION=precision, **cfg,
+            **_mask_args(causal, window, n, m, key_range, q), HEAD_DIM=d, PRECISION=precision, **cfg,
         )
 
     tiling.launch("forward", q, run, PRECISION=precision)
@@ -79,7 +87,7 @@ def forward(q, k, v, *, causal: bool, window: int | None, scale: float, fp32_pre
 
 
 def backward(q, k, v, out, lse, dout, *, causal: bool, window: int | None, scale: float,
-             fp32_precision: str | None = None):
+             fp32_precision: str | None = None, key_range: torch.Tensor | None = None):
     """First backward. Returns (dq, dk, dv) shaped like (q, k, v)."""
     q, k, v, out, dout = (_unit_last(t) for t in (q, k, v, out, dout))
     lse = lse.contiguous()
@@ -92,7 +100,7 @@ def backward(q, k, v, out, lse, dout, *, causal: bool, window: int | None, scale
     dv = _empty(k.shape, k.dtype, k.device)
     precision = _precision(q.dtype, fp32_precision)
     common = dict(
-        qk_scale_log2=scale * LOG2E, scale=scale, **_mask_args(causal, window, n, m),
+        qk_scale_log2=scale * LOG2E, scale=scale, **_mask_args(causal, window, n, m, key_range, q),
         HEAD_DIM=d, PRECISION=precision,
     )
 
@@ -116,7 +124,7 @@ def backward(q, k, v, out, lse, dout, *, causal: bool, window: int | None, scale
 
 
 def bob(q, k, v, out, lse, dout, dq, u_q, u_k, u_v, *, causal: bool, window: int | None, scale: float,
-        fp32_precision: str | None = None):
+        fp32_precision: str | None = None, key_range: torch.Tensor | None = None):
     """Backward-over-backward. Cotangents u_q (like q), u_k, u_v (like k) may be None.
     Returns (grad_q, grad_k, grad_v, grad_dout) shaped like (q, k, v, dout)."""
     q, k, v, out, dout, dq = (_unit_last(t) for t in (q, k, v, out, dout, dq))
@@ -142,7 +150,7 @@ def bob(q, k, v, out, lse, dout, dq, u_q, u_k, u_v, *, causal: bool, window: int
     grad_v = _empty(k.shape, k.dtype, k.device)
     precision = _precision(q.dtype, fp32_precision)
     common = dict(
-        qk_scale_log2=scale * LOG2E, scale=scale, **_mask_args(causal, window, n, m), **flags,
+        qk_scale_log2=scale * LOG2E, scale=scale, **_mask_args(causal, window, n, m, key_range, q), **flags,
         HEAD_DIM=d, PRECISION=precision,
     )
     rows_args = (
@@ -175,7 +183,7 @@ def bob(q, k, v, out, lse, dout, dq, u_q, u_k, u_v, *, causal: bool, window: int
 
 
 def jvp(q, k, v, t_q, t_k, t_v, *, causal: bool, window: int | None, scale: float,
-        fp32_precision: str | None = None):
+        fp32_precision: str | None = None, key_range: torch.Tensor | None = None):
     """Forward with tangent. q, t_q: (B, Hq, N, D); k, v, t_k, t_v: (B, Hkv, M, D); any tangent may
     be None (zero). Returns out (B, Hq, N, D), lse (B, Hq, N) float32 and t_out (B, Hq, N, D), the
     directional derivative of out along (t_q, t_k, t_v). fp32_precision: as in `forward`."""
@@ -198,7 +206,8 @@ def jvp(q, k, v, t_q, t_k, t_v, *, causal: bool, window: int | None, scale: floa
             q, k, v, t_q_, t_k_, t_v_, out, t_out, lse,
             *_strides(q), *_strides(k), *_strides(v), *_strides(t_q_), *_strides(t_k_), *_strides(t_v_),
             *_strides(out), n, m, heads_q, heads_q // heads_kv, qk_scale_log2=scale * LOG2E, scale=scale,
-            **_mask_args(causal, window, n, m), **flags, HEAD_DIM=d, PRECISION=precision, **cfg,
+            **_mask_args(causal, window, n, m, key_range, q), **flags, HEAD_DIM=d, PRECISION=precision,
+            **cfg,
         )
 
     tiling.launch("jvp", q, run, PRECISION=precision, **flags)

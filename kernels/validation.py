@@ -133,3 +133,61 @@ def check_fp32_precision(fp32_precision: str | None) -> str:
     if fp32_precision not in FP32_PRECISIONS:
         raise ValueError(f"fp32_precision must be one of {FP32_PRECISIONS} or None, got {fp32_precision!r}")
     return fp32_precision
+
+
+def check_key_range(
+    key_start: torch.Tensor | None, key_end: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor
+) -> torch.Tensor | None:
+    """Per-batch-row key ranges: batch row b sees keys key_start[b] <= j < key_end[b] only.
+
+    key_start, key_end: (B,) integer tensors on q's device, or None (0 and M). Both None means no
+    ranges: returns None. Otherwise returns key_range (B, 2) int32 [start, end). Raises TypeError or
+    ValueError naming the argument; the values (0 <= key_start <= key_end <= M) are checked wherever
+    they can be read (not inside torch.compile or on a vmapped range tensor, where the kernels clip
+    them to [0, M) instead).
+    """
+    if key_start is None and key_end is None:
+        return None
+    batch, n_keys = q.shape[0], k.shape[2]
+    bounds = []
+    for name, t, default in (("key_start", key_start, 0), ("key_end", key_end, n_keys)):
+        if t is None:
+            t = torch.full((batch,), default, dtype=torch.int32, device=q.device)
+        elif not isinstance(t, torch.Tensor):
+            raise TypeError(
+                f"{name} must be a torch.Tensor of shape ({batch},) or None, got {type(t).__name__}"
+            )
+        elif t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            raise TypeError(f"{name} must have an integer dtype (torch.int32 or torch.int64), got {t.dtype}")
+        elif tuple(t.shape) != (batch,):
+            raise ValueError(
+                f"{name} must have shape ({batch},) (one entry per batch row), got {tuple(t.shape)}"
+            )
+        elif t.device != q.device:
+            raise ValueError(f"{name} must be on {q.device} like q, got {t.device}")
+        bounds.append(t)
+    key_range = torch.stack((bounds[0].to(torch.int64), bounds[1].to(torch.int64)), dim=-1)
+    if _values_readable(key_range):
+        start, end = key_range.unbind(-1)
+        bad_start, bad_end = torch.stack(
+            ((start < 0) | (start > n_keys), (end < start) | (end > n_keys))
+        ).any(-1).tolist()  # one device sync for all four checks
+        if bad_start:
+            raise ValueError(f"key_start must be in [0, M={n_keys}], got {start.tolist()}")
+        if bad_end:
+            raise ValueError(f"key_end must be in [key_start, M={n_keys}], got key_end {end.tolist()} "
+                             f"for key_start {start.tolist()}")
+    return key_range.to(torch.int32)
+
+
+def _values_readable(t: torch.Tensor) -> bool:
+    """Whether reading t's values is allowed here: not while torch.compile traces, not when t is
+    vmapped by torch.func at any level (under grad transforms it is wrapped once per level)."""
+    if torch.compiler.is_compiling():
+        return False
+    functorch = torch._C._functorch
+    while functorch.is_functorch_wrapped_tensor(t):
+        if functorch.is_batchedtensor(t):
+            return False
+        t = functorch.get_unwrapped(t)
+    return True

@@ -10,7 +10,13 @@ from tiny_models import ARCHS, SLIDING_ARCHS, VOCAB, tiny_model
 from torch.func import functional_call
 
 from kernels import triton_ops
-from kernels.transformers_attention import UnsupportedAttentionError, register_transformers
+from kernels.transformers_attention import (
+    PaddingKeyRanges,
+    UnsupportedAttentionError,
+    make_attention_function,
+    padding_key_ranges,
+    register_transformers,
+)
 
 N = 23
 
@@ -133,14 +139,103 @@ def test_decoding_with_cache_equals_eager(arch):
     torch.testing.assert_close(results[1], results[0], rtol=1e-5, atol=1e-5)
 
 
+def padding_mask(ids, side, pads=(3, 7)):
+    """(B, N) attention mask: row b has pads[b] padding tokens on `side`, the last row none."""
+    mask = torch.ones_like(ids)
+    for row, pad in enumerate(pads):
+        if side == "left":
+            mask[row, :pad] = 0
+        else:
+            mask[row, ids.shape[1] - pad:] = 0
+    return mask
+
+
 @pytest.mark.parametrize("side", ["left", "right"])
-def test_padding_mask_is_refused(side):
+@pytest.mark.parametrize("arch, attn", [*((arch, "bob") for arch in ARCHS), ("llama", "bob_triton")])
+def test_padded_batch_logits_equal_eager(arch, attn, side, monkeypatch):
+    """Left or right padding runs as per-row key ranges: logits at the tokens equal eager's (Qwen2:
+    one full and one sliding-window layer, w=5 < N)."""
+    monkeypatch.setattr(triton_ops, "POISON_OUTPUTS", True)
+    ids = tokens(batch=3)
+    mask = padding_mask(ids, side)
+    want = tiny_model(arch, "eager")(ids, attention_mask=mask).logits
+    got = tiny_model(arch, attn)(ids, attention_mask=mask).logits
+    valid = mask.bool()
+    torch.testing.assert_close(got[valid], want[valid], rtol=1e-5, atol=1e-5)
+    unpadded = tiny_model(arch, "eager")(ids[2:]).logits
+    torch.testing.assert_close(got[2:], unpadded, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_left_padded_decoding_with_cache_equals_eager(arch):
+    """Generation-style: a left-padded prefill, then a cached two-token step with the mask extended
+    (Mistral's sliding-window cache cuts the mask at a key offset)."""
+    ids = tokens(batch=3)
+    mask = padding_mask(ids, "left")
+    results = []
+    for attn in ("eager", "bob"):
+        model = tiny_model(arch, attn)
+        past = model(ids[:, :-2], attention_mask=mask[:, :-2], use_cache=True).past_key_values
+        results.append(model(ids[:, -2:], attention_mask=mask, past_key_values=past, use_cache=True).logits)
+    torch.testing.assert_close(results[1], results[0], rtol=1e-5, atol=1e-5)
+
+
+def padded_meta_gradients(model, ids, mask):
+    """`meta_gradients` on a padded batch: the next-token losses count only pairs of real tokens."""
+    params = dict(model.named_parameters())
+    fast_names = [k for k in params if k.startswith("model.layers.1.mlp.")]
+
+    def loss(p, chunk, chunk_mask):
+        logits = functional_call(model, p, (chunk,), {"attention_mask": chunk_mask}).logits
+        pairs = (chunk_mask[:, :-1] * chunk_mask[:, 1:]).bool()
+        return torch.nn.functional.cross_entropy(logits[:, :-1][pairs], chunk[:, 1:][pairs])
+
+    half = ids.shape[1] // 2
+    inner = loss(params, ids[:, :half], mask[:, :half])
+    grads = torch.autograd.grad(inner, [params[k] for k in fast_names], create_graph=True)
+    adapted = {**params, **{k: params[k] - 0.5 * g for k, g in zip(fast_names, grads)}}
+    outer = loss(adapted, ids, mask)
+    return dict(zip(params, torch.autograd.grad(outer, list(params.values()), allow_unused=True)))
+
+
+def test_second_order_meta_gradients_left_padded_equal_eager_float64(eager_softmax_in_float64):
+    ids = tokens(batch=3, n=20)
+    mask = padding_mask(ids, "left", pads=(3, 8))
+    want = padded_meta_gradients(tiny_model("qwen2", "eager", dtype=torch.float64), ids, mask)
+    got = padded_meta_gradients(tiny_model("qwen2", "bob", dtype=torch.float64), ids, mask)
+    for name, g in want.items():
+        if g is None:
+            assert got[name] is None, name
+            continue
+        torch.testing.assert_close(got[name], g, rtol=1e-9, atol=1e-11, msg=name)
+
+
+def test_padding_key_ranges_of_each_row():
+    rows = [[0, 0, 1, 1, 1], [1, 1, 1, 0, 0], [0, 1, 1, 0, 0], [0, 0, 0, 0, 0]]  # left, right, both, none
+    keys = torch.tensor(rows, dtype=torch.bool)
+    ranges = padding_key_ranges("bob", keys)
+    assert ranges.key_start.tolist() == [2, 0, 1, 0] and ranges.key_end.tolist() == [5, 3, 3, 0]
+    assert ranges.kv_length == 5
+    assert padding_key_ranges("bob", torch.ones(2, 5, dtype=torch.bool)) is None
+    with pytest.raises(UnsupportedAttentionError, match=r"batch row\(s\) \[0, 2\] has holes"):
+        padding_key_ranges("bob", torch.tensor([[1, 0, 1], [0, 1, 1], [1, 0, 1]], dtype=torch.bool))
+
+
+def test_key_ranges_for_other_keys_are_refused():
+    attention = make_attention_function("bob", "torch")
+    q, k = torch.randn(2, 2, 5, 8), torch.randn(2, 1, 6, 8)
+    ranges = PaddingKeyRanges(torch.tensor([0, 1]), torch.tensor([5, 5]), kv_length=5)
+    with pytest.raises(UnsupportedAttentionError, match="built for 2 rows of 5 keys, the layer has 2 of 6"):
+        attention(torch.nn.Module(), q, k, k, ranges)
+
+
+def test_padding_mask_with_holes_is_refused():
     ids = tokens()
     mask = torch.ones_like(ids)
-    mask[0, :3] = 0 if side == "left" else 1
-    if side == "right":
-        mask[0, -3:] = 0
-    with pytest.raises(UnsupportedAttentionError, match="padding masks"):
+    mask[0, :2] = 0
+    mask[1, 5] = 0
+    message = r"batch row\(s\) \[1\] has holes.*one contiguous range"
+    with pytest.raises(UnsupportedAttentionError, match=message):
         tiny_model("llama", "bob")(ids, attention_mask=mask)
 
 
