@@ -12,10 +12,21 @@ docs/forward_mode.md). Absent tangents are compile-time flags: their products ar
 import triton
 import triton.language as tl
 
-from ._tiles import key_range, load_key_range, load_tile, row_tile_needs_mask, store_tile, visible
+from ._tiles import (
+    NO_SPECIALIZE,
+    key_range,
+    load_key_range,
+    load_tile,
+    row_tile_needs_mask,
+    store_tile,
+    visible,
+)
+
+JVP_NO_SPECIALIZE = [name for name in NO_SPECIALIZE if name != "HEADS_KV"]
+"""The lengths and counts a new value of which must not compile the kernel again (it takes no HEADS_KV)."""
 
 
-@triton.jit
+@triton.jit(do_not_specialize=JVP_NO_SPECIALIZE, do_not_specialize_on_alignment=["GROUP"])
 def attention_jvp_kernel(
     Q, K, V, TQ, TK, TV, Out, TOut, Lse,
     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, stqb, stqh, stqn, stkb, stkh, stkn,
