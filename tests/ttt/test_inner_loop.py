@@ -152,6 +152,44 @@ def test_meta_sgd_learning_rate_gradient_matches_closed_form():
     )
 
 
+
+def test_log_space_lrs_start_at_lr_and_their_gradient_is_lr_times_the_linear_one():
+    curvature, minimum, target = _quadratic(seed=2)
+    w0 = torch.randn(4, dtype=torch.float64)
+
+    def quadratic(params, step):
+        return 0.5 * (params["w"] - minimum) @ curvature @ (params["w"] - minimum)
+
+    def lr_grad(space):
+        cfg = InnerLoopConfig(steps=2, lr=0.2, learnable_lr="element", lr_space=space)
+        loop = InnerLoop({"w": w0}, cfg).double()
+        adapted = loop.adapt(quadratic, {"w": w0})
+        loss = 0.5 * (adapted.params["w"] - target).square().sum()
+        return loop, adapted, torch.autograd.grad(loss, list(loop.parameters()))[0]
+
+    linear, linear_adapted, linear_grad = lr_grad("linear")
+    log, log_adapted, log_grad = lr_grad("log")
+    assert [name for name, _ in log.named_parameters()] == ["log_lrs.0"]
+    assert [name for name, _ in linear.named_parameters()] == ["lrs.0"]  # checkpoints keep their names
+    # both start from float32 parameters (ln 0.2 and 0.2 round differently): equal to float32 rounding
+    torch.testing.assert_close(log.learning_rates()["w"], torch.full((4,), 0.2, dtype=torch.float64))
+    torch.testing.assert_close(log_adapted.params["w"], linear_adapted.params["w"], rtol=1e-6, atol=0)
+    torch.testing.assert_close(log_grad, 0.2 * linear_grad, rtol=1e-6, atol=0)  # d/d ln lr = lr d/d lr
+
+
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        ({"lr_space": "log"}, "inner.learnable_lr"),
+        ({"lr_outer_lr": 0.1}, "inner.learnable_lr"),
+        ({"learnable_lr": "tensor", "lr_space": "exp"}, "inner.lr_space"),
+        ({"learnable_lr": "tensor", "lr_outer_lr": 0.0}, "inner.lr_outer_lr"),
+    ],
+)
+def test_bad_lr_space_or_lr_outer_lr_is_refused_by_name(overrides, named):
+    with pytest.raises(ValueError, match=named):
+        InnerLoopConfig(**overrides)
+
 def test_clip_by_global_norm():
     grads = {"a": torch.tensor([3.0, 0.0], requires_grad=True), "b": torch.tensor([4.0], requires_grad=True)}
     clipped = clip_by_global_norm(grads, 1.0)

@@ -68,6 +68,19 @@ def test_meta_learned_inner_lrs_are_optimized():
     optimizer = learner.configure_optimizers()["optimizer"]
     optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
     assert id(learner.inner_loop.lrs[0]) in optimized
+    assert len(optimizer.param_groups) == 1
+
+
+def test_lr_outer_lr_puts_the_inner_lrs_in_their_own_scheduled_group():
+    inner = InnerLoopConfig(params=["bias"], learnable_lr="tensor", lr_space="log", lr_outer_lr=0.05, lr=0.1)
+    learner = ShiftLearner(nn.Linear(1, 1), inner, OuterOptimConfig(lr=1e-3, warmup_steps=2), 10)
+    built = learner.configure_optimizers()
+    rest, lrs = built["optimizer"].param_groups
+    assert [id(p) for p in lrs["params"]] == [id(learner.inner_loop.log_lrs[0])]
+    assert {id(p) for p in rest["params"]} == {id(p) for p in learner.model.parameters()}
+    assert (rest["initial_lr"], lrs["initial_lr"]) == (1e-3, 0.05)
+    assert lrs["lr"] == pytest.approx(0.05 / 2)  # warm-up step 0 of 2 scales both groups
+    assert learner.step_metrics()["inner_lr"] == pytest.approx(0.1)
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ extending a run keeps its lr schedule."""
 import csv
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 from ttt.config import load_config
@@ -49,3 +50,28 @@ def test_extending_a_run_keeps_its_schedule_without_a_jump(tiny_overrides, tmp_p
 def test_a_new_run_schedules_over_its_max_steps():
     cfg = load_config(["recipe=maml_sinusoid", "trainer.max_steps=40", "trainer.steps_per_epoch=20"])
     assert cfg.optim.schedule_steps == 40
+
+
+def _logged_inner_lr(run, version):
+    with (run / "logs" / f"version_{version}" / "metrics.csv").open() as handle:
+        return [float(row["train/inner_lr"]) for row in csv.DictReader(handle) if row.get("train/inner_lr")]
+
+
+def test_a_resumed_run_keeps_its_log_space_inner_lrs_and_their_outer_group(tiny_overrides, tmp_path):
+    log_lr = [
+        "inner.learnable_lr=tensor",
+        "inner.lr=0.1",
+        "inner.lr_space=log",
+        "inner.lr_outer_lr=0.2",
+        "trainer.log_every_n_steps=1",
+    ]
+    assert main(tiny_overrides("maml_sinusoid", "run.name=loglr", *log_lr)) == 0
+    checkpoint = torch.load(tmp_path / "loglr" / "checkpoints" / "last.ckpt", weights_only=False)
+    assert "inner_loop.log_lrs.0" in checkpoint["state_dict"]
+    assert len(checkpoint["optimizer_states"][0]["param_groups"]) == 2
+    first = _logged_inner_lr(tmp_path / "loglr", 0)
+    assert abs(first[-1] - 0.1) > 0.01  # the outer group's lr 0.2 moved ln lr visibly
+    assert main([f"resume={tmp_path / 'loglr'}", "trainer.max_steps=4"]) == 0
+    resumed = _logged_inner_lr(tmp_path / "loglr", 1)
+    # continues from the saved ln lr (a restart at 0.1 would repeat the first step: 0.1 -> 0.095)
+    assert abs(resumed[0] - first[-1]) < 0.5 * abs(first[-1] - first[0])

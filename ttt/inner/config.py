@@ -24,6 +24,13 @@ class LearnableLR(Choice):
     element = "element"
 
 
+class LRSpace(Choice):
+    """inner.lr_space."""
+
+    linear = "linear"
+    log = "log"
+
+
 @dataclass
 class InnerLoopConfig:
     """How the inner loop adapts parameters."""
@@ -40,6 +47,12 @@ class InnerLoopConfig:
     """Inner learning rate (the initial value when learnable)."""
     learnable_lr: LearnableLR = LearnableLR.none
     """Meta-learn the inner learning rates (Meta-SGD): none, tensor (one per parameter tensor) or element."""
+    lr_space: LRSpace = LRSpace.linear
+    """How the learnable lrs are parameterised: linear (the parameter is the lr) or log (the parameter is
+    ln lr, so an outer step changes the lr by a factor whatever its size, and it stays positive)."""
+    lr_outer_lr: float | None = None
+    """Outer learning rate of the learnable lrs (their own group of the outer optimizer, on optim.lr's
+    schedule); null: optim.lr. With lr_space=log and Adam it bounds the change of ln lr per outer step."""
     momentum: float = 0.9
     """Momentum coefficient of the momentum optimizer."""
     beta1: float = 0.9
@@ -69,6 +82,17 @@ class InnerLoopConfig:
             )
         self.optimizer = InnerOptimizer.parse(self.optimizer, "inner.optimizer")
         self.learnable_lr = LearnableLR.parse(self.learnable_lr, "inner.learnable_lr")
+        self.lr_space = LRSpace.parse(self.lr_space, "inner.lr_space")
+        if self.lr_outer_lr is not None and not 0 < self.lr_outer_lr < math.inf:
+            raise ValueError(
+                f"inner.lr_outer_lr must be a positive finite float or null, got {self.lr_outer_lr}"
+            )
+        if self.learnable_lr == "none" and (self.lr_space != "linear" or self.lr_outer_lr is not None):
+            raise ValueError(
+                "inner.lr_space and inner.lr_outer_lr apply to learnable lrs: set inner.learnable_lr to "
+                f"tensor or element (got inner.learnable_lr=none, lr_space={self.lr_space}, "
+                f"lr_outer_lr={self.lr_outer_lr})"
+            )
         if not 0 <= self.momentum < 1:
             raise ValueError(f"inner.momentum must be in [0, 1), got {self.momentum}")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):

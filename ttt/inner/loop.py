@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -33,7 +34,8 @@ class InnerLoop(nn.Module):
     """Adapts a fixed set of named parameters with a differentiable optimizer.
 
     Owns the inner learning rates; with cfg.learnable_lr != "none" they are parameters of this module
-    (Meta-SGD) and the outer optimizer must include `self.parameters()`.
+    (Meta-SGD) and the outer optimizer must include `self.parameters()`: `lrs.{j}` holding the lrs
+    themselves (cfg.lr_space=linear), or `log_lrs.{j}` holding their logarithms (lr_space=log).
     """
 
     def __init__(self, params: Mapping[str, torch.Tensor], cfg: InnerLoopConfig):
@@ -43,18 +45,24 @@ class InnerLoop(nn.Module):
         self.cfg = cfg
         self.names = list(params)
         self.optimizer = make_inner_optimizer(cfg)
-        if cfg.learnable_lr == "none":
-            self.lrs = None
-        else:
-            self.lrs = nn.ParameterList(
+        self.lrs = self.log_lrs = None
+        if cfg.learnable_lr != "none":
+            start = cfg.lr if cfg.lr_space == "linear" else math.log(cfg.lr)
+            learnable = nn.ParameterList(
                 nn.Parameter(
-                    torch.full(() if cfg.learnable_lr == "tensor" else p.shape, cfg.lr, dtype=torch.float32)
+                    torch.full(() if cfg.learnable_lr == "tensor" else p.shape, start, dtype=torch.float32)
                 )
                 for p in params.values()
             )
+            if cfg.lr_space == "linear":
+                self.lrs = learnable
+            else:
+                self.log_lrs = learnable
 
     def learning_rates(self) -> dict[str, torch.Tensor | float]:
         """Inner learning rate of each adapted parameter: floats, or scalar / per-element tensors."""
+        if self.log_lrs is not None:
+            return {name: log_lr.exp() for name, log_lr in zip(self.names, self.log_lrs)}
         if self.lrs is None:
             return dict.fromkeys(self.names, self.cfg.lr)
         return dict(zip(self.names, self.lrs))

@@ -30,7 +30,7 @@ import torch
 from ttt.config.schema import OuterOptimConfig
 
 from .distributed import task_backward
-from .outer import outer_optimizers, outer_update
+from .outer import outer_optimizers, outer_param_groups, outer_update
 
 
 class OuterLearner(pl.LightningModule):
@@ -131,5 +131,4 @@ class OuterLearner(pl.LightningModule):
         self.log_evaluation("test", self.evaluate(batch), self.batch_size(batch))
 
     def configure_optimizers(self) -> dict[str, Any]:
-        trainable = [p for p in self.parameters() if p.requires_grad]
-        return outer_optimizers(trainable, self.optim_cfg, self.total_steps)
+        return outer_optimizers(outer_param_groups(self), self.optim_cfg, self.total_steps)

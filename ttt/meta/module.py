@@ -47,6 +47,14 @@ class MetaLearner(OuterLearner):
         """The adapted parameters' meta-learned initial values (live parameters of self.model)."""
         return select_parameters(self.model, self.inner_cfg.params)
 
+    def step_metrics(self) -> dict[str, float]:
+        """inner_lr: the mean of the inner learning rates, when they are learnable (train/inner_lr)."""
+        if self.inner_cfg.learnable_lr == "none":
+            return {}
+        with torch.no_grad():
+            lrs = [torch.as_tensor(lr).float().mean() for lr in self.inner_loop.learning_rates().values()]
+            return {"inner_lr": torch.stack(lrs).mean().item()}
+
     def forward_with(self, params: dict[str, torch.Tensor], *args, **kwargs):
         """self.model(*args, **kwargs) with `params` substituted by name."""
         return functional_forward(self.model, params, *args, **kwargs)

@@ -9,6 +9,7 @@ import lightning.pytorch as pl
 import torch
 
 from ttt.config.schema import OuterOptimConfig
+from ttt.inner import InnerLoop
 
 
 def lr_multiplier(step: int, *, cfg: OuterOptimConfig, total_steps: int) -> float:
@@ -22,11 +23,31 @@ def lr_multiplier(step: int, *, cfg: OuterOptimConfig, total_steps: int) -> floa
     return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * decay
 
 
+def outer_param_groups(module: torch.nn.Module) -> list[torch.nn.Parameter] | list[dict[str, Any]]:
+    """The trainable parameters of `module` for the outer optimizer: a plain list, or, when an
+    `InnerLoop` inside it sets inner.lr_outer_lr, parameter groups: everything else first (at optim.lr),
+    then that loop's learnable lrs at lr_outer_lr (the schedule multiplies both)."""
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    own_lr = {
+        id(p): loop.cfg.lr_outer_lr
+        for loop in module.modules()
+        if isinstance(loop, InnerLoop) and loop.cfg.lr_outer_lr is not None
+        for p in loop.parameters()
+    }
+    if not own_lr:
+        return trainable
+    groups = [{"params": [p for p in trainable if id(p) not in own_lr]}]
+    for lr in dict.fromkeys(own_lr.values()):
+        groups.append({"params": [p for p in trainable if own_lr.get(id(p)) == lr], "lr": lr})
+    return groups
+
+
 def outer_optimizers(
-    params: list[torch.nn.Parameter], cfg: OuterOptimConfig, total_steps: int
+    params: list[torch.nn.Parameter] | list[dict[str, Any]], cfg: OuterOptimConfig, total_steps: int
 ) -> dict[str, Any]:
     """What a learner's configure_optimizers returns: the optimizer named by optim.name over `params`
-    and its per-step LambdaLR schedule (`lr_multiplier`)."""
+    (tensors, or parameter groups from `outer_param_groups`) and its per-step LambdaLR schedule
+    (`lr_multiplier`, on every group's lr)."""
     betas = (cfg.beta1, cfg.beta2)
     if cfg.name == "adamw":
         optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=betas, weight_decay=cfg.weight_decay)
