@@ -136,11 +136,8 @@ class TTTTransformer(ChunkedReader):
         inner.steps); first_order: default inner.first_order; lr_scale multiplies the inner learning
         rates (warm-up); outer_grad=False detaches every chunk (evaluation: memory stays flat).
         """
-        adapt = self.ttt_cfg.enabled if adapt is None else adapt
-        steps = (self.inner_cfg.steps if steps is None else steps) if adapt else 0
-        create_graph = outer_grad and not (self.inner_cfg.first_order if first_order is None else first_order)
-        if steps and not torch.is_grad_enabled():
-            raise RuntimeError("test-time training needs grad mode: wrap evaluation in torch.enable_grad()")
+        options = dict(adapt=adapt, steps=steps, first_order=first_order, outer_grad=outer_grad)
+        steps, create_graph = resolve_read_options(self.ttt_cfg, self.inner_cfg, **options)
         return self._read(
             tokens,
             (steps, create_graph),
@@ -149,3 +146,24 @@ class TTTTransformer(ChunkedReader):
             keep_logits=keep_logits,
             checkpoint=self.inner_cfg.checkpoint and steps > 0,
         )
+
+
+def resolve_read_options(
+    ttt: TTTConfig,
+    inner: InnerLoopConfig,
+    *,
+    adapt: bool | None,
+    steps: int | None,
+    first_order: bool | None,
+    outer_grad: bool,
+) -> tuple[int, bool]:
+    """(inner steps per chunk, create_graph) of a TTT read: adapt defaults to ttt.enabled, steps to
+    inner.steps (0 without adapting), first_order to inner.first_order; the graph of the inner steps is
+    built only for an outer gradient of second order. RuntimeError when steps are asked for outside
+    grad mode."""
+    adapt = ttt.enabled if adapt is None else adapt
+    steps = (inner.steps if steps is None else steps) if adapt else 0
+    create_graph = outer_grad and not (inner.first_order if first_order is None else first_order)
+    if steps and not torch.is_grad_enabled():
+        raise RuntimeError("test-time training needs grad mode: wrap evaluation in torch.enable_grad()")
+    return steps, create_graph

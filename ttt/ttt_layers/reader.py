@@ -150,17 +150,18 @@ class ChunkedReader(nn.Module):
     def token_losses(self, tokens: torch.Tensor, **options) -> torch.Tensor:
         """Next-token losses of every position, tokens (B, N) int64 -> (B, N - 1) float32; options as
         in `read`. Its mean is the meta-training objective."""
-        _check_tokens(tokens)
+        check_tokens(tokens)
         return self.read(tokens, **options)[1]
 
     def forward(self, tokens: torch.Tensor, **options) -> torch.Tensor:
         """tokens (B, N) int64 -> logits (B, N, vocab_size), reading while adapting (options as in
         `read`)."""
-        _check_tokens(tokens)
+        check_tokens(tokens)
         return self.read(tokens, keep_logits=True, **options)[0]
 
 
-def _check_tokens(tokens: torch.Tensor) -> None:
+def check_tokens(tokens: torch.Tensor) -> None:
+    """ValueError unless tokens is a (batch, seq) int64 tensor with seq >= 1."""
     if tokens.dim() != 2 or tokens.dtype != torch.long or tokens.shape[1] < 1:
         raise ValueError(
             f"tokens must be a (batch, seq) int64 tensor, got {tuple(tokens.shape)} {tokens.dtype}"

@@ -32,6 +32,8 @@ from ttt.inner import InnerLoop, InnerLoopConfig, detach_state, fresh_leaves, se
 from ttt.models.hf_causal_lm import HFCausalLM
 
 from .config import TTTConfig
+from .model import resolve_read_options
+from .reader import check_tokens
 
 
 class TransformersTTTReader(nn.Module):
@@ -126,17 +128,11 @@ class TransformersTTTReader(nn.Module):
         """Read the sequences tokens (B, N) chunk by chunk, one after another, each adapting its own fast
         weights. Returns (logits (B, N, V) or None unless keep_logits, next-token losses (B, N - 1)).
         Options as in `TTTTransformer.read`."""
-        if tokens.dim() != 2 or tokens.dtype != torch.long or tokens.shape[1] < 1:
-            raise ValueError(
-                f"tokens must be a (batch, seq) int64 tensor, got {tuple(tokens.shape)} {tokens.dtype}"
-            )
-        adapt = self.ttt_cfg.enabled if adapt is None else adapt
-        steps = (self.inner_cfg.steps if steps is None else steps) if adapt else 0
-        create_graph = outer_grad and not (self.inner_cfg.first_order if first_order is None else first_order)
-        if steps and not torch.is_grad_enabled():
-            raise RuntimeError("test-time training needs grad mode: wrap evaluation in torch.enable_grad()")
-        options = (steps, create_graph, lr_scale, outer_grad, keep_logits)
-        rows = [self._read_row(row[None], *options) for row in tokens]
+        check_tokens(tokens)
+        options = dict(adapt=adapt, steps=steps, first_order=first_order, outer_grad=outer_grad)
+        steps, create_graph = resolve_read_options(self.ttt_cfg, self.inner_cfg, **options)
+        row_options = (steps, create_graph, lr_scale, outer_grad, keep_logits)
+        rows = [self._read_row(row[None], *row_options) for row in tokens]
         logits = torch.cat([r[0] for r in rows]) if keep_logits else None
         return logits, torch.cat([r[1] for r in rows])
 
