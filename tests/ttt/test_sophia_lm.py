@@ -77,7 +77,7 @@ def test_tiny_run_trains_both_models_and_writes_every_figure(tiny_sophia_lm, tmp
         assert set(row) == OPTIMIZER_FIGURES, name
         assert row["time_per_step_s"] > 0 and row["peak_memory_gib"] is None  # no CUDA here
         assert 0 < row["best_val_loss"] <= row["final_val_loss"] < 6
-    assert figures["adamw"]["lr"] == 2.0e-3 and figures["sophia_h"]["lr"] == 0.2
+    assert figures["adamw"]["lr"] == 2.0e-3 and figures["sophia_h"]["lr"] == 0.05
     assert figures["adamw"]["hessian_estimates"] == 0 and figures["adamw"]["hvp_share_of_step_time"] == 0
     assert figures["sophia_h"]["hessian_estimates"] == 2  # steps 1 and 4 with an interval of 3
     assert 0 < figures["sophia_h"]["hvp_share_of_step_time"] < 1
