@@ -71,11 +71,7 @@ class ChunkedReader(nn.Module):
         """The suffix's output on a chunk x (B, C, d_model) -> (logits (B, C, V), next-token losses (B, T)
         of its first T = targets.shape[1] positions against targets (B, T), in at least float32)."""
         logits = self.head(x)
-        scored = logits[:, : targets.shape[1]].flatten(0, 1)
-        losses = F.cross_entropy(
-            scored.to(torch.promote_types(scored.dtype, torch.float32)), targets.flatten(), reduction="none"
-        )
-        return logits, losses.view(targets.shape)
+        return logits, next_token_losses(logits, targets)
 
     def _initial_state(self, batch: int, *, lr_scale: float) -> Carry:
         """Hook: each of the batch sequences' state before the first chunk."""
@@ -158,6 +154,16 @@ class ChunkedReader(nn.Module):
         `read`)."""
         check_tokens(tokens)
         return self.read(tokens, keep_logits=True, **options)[0]
+
+
+def next_token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of the first T positions of logits (B, C, V) against targets (B, T), T <= C, per
+    token: (B, T), in at least float32."""
+    scored = logits[:, : targets.shape[1]].flatten(0, 1)
+    losses = F.cross_entropy(
+        scored.to(torch.promote_types(scored.dtype, torch.float32)), targets.flatten(), reduction="none"
+    )
+    return losses.view(targets.shape)
 
 
 def check_tokens(tokens: torch.Tensor) -> None:

@@ -24,7 +24,6 @@ ttt_pretrained with model.checkpoint) reads each token once and is the faster on
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
@@ -33,7 +32,7 @@ from ttt.models.hf_causal_lm import HFCausalLM
 
 from .config import TTTConfig
 from .model import resolve_read_options
-from .reader import check_tokens
+from .reader import check_tokens, next_token_losses
 
 
 class TransformersTTTReader(nn.Module):
@@ -78,12 +77,7 @@ class TransformersTTTReader(nn.Module):
         `fast` and its left context, and their next-token losses (1, T), T = targets in the sequence."""
         fed = start - self.left_context(start)
         logits = functional_call(self.lm, fast, (tokens[:, fed:end],), strict=False)[:, start - fed :]
-        targets = tokens[:, start + 1 : end + 1]
-        scored = logits[:, : targets.shape[1]].flatten(0, 1)
-        losses = F.cross_entropy(
-            scored.to(torch.promote_types(scored.dtype, torch.float32)), targets.flatten(), reduction="none"
-        )
-        return logits, losses.view(targets.shape)
+        return logits, next_token_losses(logits, tokens[:, start + 1 : end + 1])
 
     def _read_row(self, tokens, steps, create_graph, lr_scale, outer_grad, keep_logits):
         """One sequence tokens (1, N) read chunk by chunk from the initial fast weights: (logits (1, N, V)
