@@ -265,9 +265,13 @@ STAGES = ["flash_attention", "attention_forward", "attention_backward", "attenti
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("start, end, error, message", bad_ranges())
 def test_bad_key_ranges_are_refused_by_name(stage, backend, start, end, error, message):
-    q = torch.randn(2, 2, 5, 16)
-    k = v = torch.randn(2, 1, 7, 16)
-    lse = torch.zeros(2, 2, 5)
+    def on_device(x):  # the ranges' own faults, not a device mismatch (except the meta-device case)
+        return x.to(DEVICE) if isinstance(x, torch.Tensor) and x.device.type == "cpu" else x
+
+    start, end = on_device(start), on_device(end)
+    q = torch.randn(2, 2, 5, 16, device=DEVICE)
+    k = v = torch.randn(2, 1, 7, 16, device=DEVICE)
+    lse = torch.zeros(2, 2, 5, device=DEVICE)
     args = {"flash_attention": (q, k, v), "attention_forward": (q, k, v),
             "attention_backward": (q, k, v, q, lse, q), "attention_bob": (q, k, v, q, lse, q, q, q)}[stage]
     with pytest.raises(error, match=message):
