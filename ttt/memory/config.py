@@ -44,6 +44,17 @@ class MemoryConfig:
     into the keys and values, so the outer gradient differentiates the attention's backward: second
     order through attention) or partial (keys and values taken as given, Titans' associative gradient;
     the same as total with mag)."""
+    center_keys: bool = False
+    """Subtract the chunk's mean key (of u W_K, per sequence) before a write's keys are scaled to unit
+    norm, so that a write stores what tells the chunk's tokens apart instead of one direction they
+    share (mac writes from the attention's output, whose tokens point almost the same way: mean cosine
+    0.94 at initialisation, 0.9995 after the CPU recipe). Needs ttt.chunk_len >= 2."""
+    normalize_step: bool = False
+    """Divide each memory layer's learning rate by rho = ||X^T X||_F / C, X (C, in) that layer's inputs
+    over the chunk (the keys, for the first layer): an upper bound of the largest curvature of the
+    write's loss along that layer (linear memory), 1 when the chunk's keys are all alike and about
+    1 / sqrt(r) when they spread evenly over r directions. Without it a step of theta writes each of r
+    such directions by about theta / r of its error."""
     max_lr: float = 1.0
     """Largest memory learning rate: theta = max_lr * sigmoid(linear(chunk's mean hidden state))."""
     lr_init: float = 0.5
@@ -58,7 +69,8 @@ class MemoryConfig:
     first_order: bool = False
     """Treat the memory's gradients as constants in the outer backward (no second-order terms). The key
     and value projections (memory.wk, memory.wv) enter the outer loss only through those gradients, so
-    they get no outer gradient and keep their initial values (under ddp: trainer.find_unused_parameters)."""
+    they get no outer gradient and keep their initial values (under ddp: trainer.find_unused_parameters);
+    with memory.normalize_step the keys also set the write's learning rate, so memory.wk gets one."""
     checkpoint: bool = False
     """Recompute each chunk in the outer backward instead of storing its activations."""
 

@@ -30,16 +30,28 @@ Weights = dict[str, torch.Tensor]
 """The memory MLP's weights by name (w0, w1, ...): each (in, out), or (B, in, out) one per sequence."""
 
 
+def memory_layer_inputs(weights: Mapping[str, torch.Tensor], keys: torch.Tensor) -> list[torch.Tensor]:
+    """The input of each layer of M_W for keys (B, C, dim): [keys, silu(keys @ w0), ...], one per weight
+    w0..w{L-1} (each (B, C, in) of that weight)."""
+    inputs = [keys]
+    for j in range(len(weights) - 1):
+        inputs.append(F.silu(inputs[-1] @ weights[f"w{j}"]))
+    return inputs
+
+
 def memory_mlp(weights: Mapping[str, torch.Tensor], keys: torch.Tensor) -> torch.Tensor:
     """M_W(keys): keys (B, C, dim) with weights w0..w{L-1}, each (B, in, out) -> (B, C, dim). One weight:
     the linear map keys @ w0; more: keys + silu(...silu(keys @ w0)...) @ w{L-1} (a residual MLP)."""
-    layers = [weights[f"w{j}"] for j in range(len(weights))]
-    if len(layers) == 1:
-        return keys @ layers[0]
-    hidden = keys
-    for weight in layers[:-1]:
-        hidden = F.silu(hidden @ weight)
-    return keys + hidden @ layers[-1]
+    last = memory_layer_inputs(weights, keys)[-1] @ weights[f"w{len(weights) - 1}"]
+    return last if len(weights) == 1 else keys + last
+
+
+def curvature_scale(inputs: torch.Tensor) -> torch.Tensor:
+    """rho = ||X^T X||_F / C of one layer's inputs X (B, C, in) over a chunk, per sequence: (B,) in at
+    least float32 (the Gram matrix of the smaller side: ||X^T X||_F = ||X X^T||_F)."""
+    x = inputs.to(torch.promote_types(inputs.dtype, torch.float32))
+    gram = x @ x.transpose(1, 2) if x.shape[1] <= x.shape[2] else x.transpose(1, 2) @ x
+    return gram.flatten(1).norm(dim=-1).clamp_min(1e-6) / x.shape[1]
 
 
 def _logit(p: float) -> float:
@@ -91,11 +103,20 @@ class NeuralMemory(nn.Module):
         """The memory's answer to the queries of u (B, C, d_model): M_W(unit(u W_Q)) W_R, (B, C, d_model)."""
         return self.wr(memory_mlp(weights, F.normalize(self.wq(u), dim=-1)))
 
+    def write_keys(self, u: torch.Tensor) -> torch.Tensor:
+        """The write's keys of u (B, C, d_model): unit(u W_K), or with memory.center_keys
+        unit(u W_K - mean_t u_t W_K) (each sequence's mean key of the chunk removed), (B, C, dim)."""
+        keys = self.wk(u)
+        if self.cfg.center_keys:
+            keys = keys - keys.mean(1, keepdim=True)
+        return F.normalize(keys, dim=-1)
+
     def associative_loss(self, weights: Mapping[str, torch.Tensor], u: torch.Tensor) -> torch.Tensor:
-        """Per-sequence write loss of u (B, C, d_model): mean_t 1/2 ||M_W(unit(u_t W_K)) - u_t W_V||^2,
-        (B,) float32 (at least). The mean over the chunk keeps the loss's curvature at most 1 for a linear
-        memory (unit keys), whatever the chunk length, so a learning rate up to 1 is stable."""
-        error = memory_mlp(weights, F.normalize(self.wk(u), dim=-1)) - self.wv(u)
+        """Per-sequence write loss of u (B, C, d_model): mean_t 1/2 ||M_W(k_t) - u_t W_V||^2 with k =
+        `write_keys`, (B,) float32 (at least). The mean over the chunk keeps the loss's curvature at most
+        1 for a linear memory (unit keys), whatever the chunk length, so a learning rate up to 1 is
+        stable; memory.normalize_step divides it by an upper bound of the actual curvature."""
+        error = memory_mlp(weights, self.write_keys(u)) - self.wv(u)
         return 0.5 * error.to(torch.promote_types(error.dtype, torch.float32)).square().sum(-1).mean(-1)
 
     def gate_values(self, u: torch.Tensor, lr_scale: float = 1.0) -> tuple[torch.Tensor, ...]:
@@ -128,9 +149,15 @@ class NeuralMemory(nn.Module):
             at = dict(weights)
         theta, eta, alpha = self.gate_values(u, lr_scale)
 
-        def rows(gate: torch.Tensor) -> dict[str, torch.Tensor]:
-            return {name: gate.view(-1, *(1,) * (w.dim() - 1)).to(w.dtype) for name, w in at.items()}
+        def rows(gate: torch.Tensor | list[torch.Tensor]) -> dict[str, torch.Tensor]:
+            gates = gate if isinstance(gate, list) else [gate] * len(at)
+            return {
+                name: g.view(-1, *(1,) * (w.dim() - 1)).to(w.dtype) for g, (name, w) in zip(gates, at.items())
+            }
 
+        if self.cfg.normalize_step:
+            inputs = memory_layer_inputs(at, self.write_keys(u))
+            theta = [theta / curvature_scale(x) for x in inputs]
         state = self.optimizer.with_gates(state, momentum=rows(eta), decay=rows(alpha))
         return inner_step(
             self.associative_loss(at, u).sum(),  # rows are independent: each row's grad is its own loss's

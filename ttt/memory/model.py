@@ -48,6 +48,11 @@ class NeuralMemoryTransformer(ChunkedReader):
                 "ttt.extra_mlp must be false with a neural memory: the memory blocks' fast weights are "
                 "the memory's own (memory.*)"
             )
+        if memory.center_keys and ttt.chunk_len < 2:
+            raise ValueError(
+                f"memory.center_keys needs ttt.chunk_len >= 2 (got {ttt.chunk_len}): a one-token chunk "
+                "minus its mean key has no key left"
+            )
         self.memory_cfg = memory
 
     def initial_fast_weights(self) -> dict[str, torch.Tensor]:
