@@ -86,12 +86,14 @@ def reference_losses(model, x, *, write=True):
             y = x_c + a if block.variant == "mac" else x_c + a * torch.sigmoid(read)
             outputs.append(y + block.mlp(block.mlp_norm(y)))
             if write:
-                u = a / (a.square().mean(-1, keepdim=True) + 1e-6).sqrt() if block.variant == "mac" else h
-                k = u @ mem.wk.weight.t()
+                mac_from_attention = block.variant == "mac" and mem.cfg.mac_write_from == "attention"
+                u = a / (a.square().mean(-1, keepdim=True) + 1e-6).sqrt() if mac_from_attention else h
+                k, v = u @ mem.wk.weight.t(), u @ mem.wv.weight.t()
+                if mem.cfg.next_token_values:  # token t's key stores token t + 1's value
+                    k, v = k[:-1], v[1:]
                 if mem.cfg.center_keys:
                     k = k - k.mean(0)
                 k = F.normalize(k, dim=-1)
-                v = u @ mem.wv.weight.t()
                 if mem.cfg.write_grad == "partial":
                     k, v = k.detach(), v.detach()
                 loss = 0.5 * (memory_mlp(weights, k[None])[0] - v).square().sum(-1).mean()
@@ -115,6 +117,14 @@ WRITE_OPTIONS = {
     "centered": {"center_keys": True},
     "normalized": {"normalize_step": True},
     "centered+normalized": {"center_keys": True, "normalize_step": True},
+    "next-token values": {"next_token_values": True},
+    "all": {
+        "center_keys": True,
+        "normalize_step": True,
+        "next_token_values": True,
+        "mac_write_from": "input",
+        "tie_init": True,
+    },
 }
 
 
@@ -124,7 +134,7 @@ WRITE_OPTIONS = {
     "depth, chunk_len, options",
     [(1, 1, "plain"), (2, 1, "plain"), (2, 4, "plain"), (3, 3, "plain"), (1, 4, "centered+normalized")]
     + [(2, 4, name) for name in ("centered", "normalized", "centered+normalized")]
-    + [(3, 3, "centered+normalized")],
+    + [(3, 3, "centered+normalized"), (2, 4, "next-token values"), (2, 4, "all"), (1, 3, "all")],
     ids=str,
 )
 def test_chunked_reading_equals_a_plain_loop(variant, write_grad, depth, chunk_len, options):
@@ -184,7 +194,7 @@ def test_centered_keys_drop_the_direction_the_chunk_shares():
     u = torch.randn(2, 1, 16) * 3 + 0.3 * torch.randn(2, 12, 16)
     projected = memory.wk(u)
     torch.testing.assert_close(
-        memory.write_keys(u), F.normalize(projected - projected.mean(1, keepdim=True), dim=-1)
+        memory.write_pairs(u)[0], F.normalize(projected - projected.mean(1, keepdim=True), dim=-1)
     )
 
     def mean_cosine(k):
@@ -194,7 +204,24 @@ def test_centered_keys_drop_the_direction_the_chunk_shares():
         )
 
     assert mean_cosine(projected) > 0.9
-    assert mean_cosine(memory.write_keys(u)).abs() < 0.2
+    assert mean_cosine(memory.write_pairs(u)[0]).abs() < 0.2
+
+
+def test_tied_initialisation_lets_a_query_read_what_was_written_for_its_own_key():
+    """memory.tie_init: W_K = W_Q and W_R = W_V^T, so that (linear memory) after one write of a chunk of
+    orthogonal unit inputs, reading with one of them returns its written source in the residual stream
+    (theta / sqrt(r) of it, normalised step, W_V W_V^T ~ I); untied, the read is unrelated to it."""
+    torch.manual_seed(0)
+    options = {"depth": 1, "tie_init": True, "normalize_step": True, "grad_clip": None, "lr_init": 0.9}
+    memory = NeuralMemory(64, MemoryConfig(**options))
+    assert torch.equal(memory.wk.weight, memory.wq.weight)
+    assert torch.equal(memory.wr.weight, memory.wv.weight.t())
+    u = torch.eye(64)[None, :8] * 8  # 8 orthogonal inputs of rms 1
+    readback = memory.read(one_write(memory, u), u)
+    cosine = F.cosine_similarity(readback, u, dim=-1)
+    assert cosine.min() > 0.5
+    untied = NeuralMemory(64, MemoryConfig(**{**options, "tie_init": False}))
+    assert F.cosine_similarity(untied.read(one_write(untied, u), u), u, dim=-1).abs().max() < 0.5
 
 
 def test_total_write_gradient_goes_through_the_attention():
@@ -364,6 +391,12 @@ def test_bad_settings_name_the_key():
         NeuralMemoryTransformer(base, TTTConfig(suffix_len=3, extra_mlp=False), MemoryConfig())
     with pytest.raises(ValueError, match="memory.center_keys"):
         NeuralMemoryTransformer(base, TTTConfig(extra_mlp=False, chunk_len=1), MemoryConfig(center_keys=True))
+    with pytest.raises(ValueError, match="memory.next_token_values"):
+        NeuralMemoryTransformer(
+            base, TTTConfig(extra_mlp=False, chunk_len=1), MemoryConfig(next_token_values=True)
+        )
+    with pytest.raises(ValueError, match="memory.mac_write_from"):
+        MemoryConfig(mac_write_from="output")
 
 
 @pytest.mark.parametrize("first_order", [False, True])

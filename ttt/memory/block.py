@@ -39,7 +39,7 @@ class MemoryBlock(SuffixBlock):
 
     def __init__(self, block: Block, cfg: TransformerConfig, memory: MemoryConfig):
         super().__init__(block, cfg, None)
-        self.variant = memory.variant
+        self.variant, self.mac_write_from = memory.variant, memory.mac_write_from
         self.memory = NeuralMemory(cfg.d_model, memory).to(block.attn_norm.weight.device)
 
     def forward(
@@ -64,7 +64,7 @@ class MemoryBlock(SuffixBlock):
         read = self.memory.read(weights, h)
         if self.variant == "mac":
             attended, cache = self.attend(h + read, cos, sin, cache)
-            x, source = x + attended, unit_rms(attended)
+            x, source = x + attended, (h if self.mac_write_from == "input" else unit_rms(attended))
         else:
             attended, cache = self.attend(h, cos, sin, cache)
             x, source = x + attended * torch.sigmoid(read), h

@@ -80,9 +80,13 @@ class NeuralMemory(nn.Module):
         """Projections N(0, 1/fan_in) (unit-scale values of normalised inputs; before any write, the read
         of a unit query is of size 1/sqrt(dim) per component); gates at lr_init, momentum_init and
         decay_init (zero weights); memory: linear at zero, an MLP at the identity map (hidden layers
-        N(0, 1/in), last layer zero)."""
+        N(0, 1/in), last layer zero). memory.tie_init: W_K = W_Q and W_R = W_V^T."""
         for layer in (self.wq, self.wk, self.wv, self.wr):
             nn.init.normal_(layer.weight, std=layer.weight.shape[1] ** -0.5)
+        if self.cfg.tie_init:
+            with torch.no_grad():
+                self.wk.weight.copy_(self.wq.weight)
+                self.wr.weight.copy_(self.wv.weight.t())
         nn.init.zeros_(self.gates.weight)
         with torch.no_grad():
             self.gates.bias.copy_(
@@ -103,20 +107,24 @@ class NeuralMemory(nn.Module):
         """The memory's answer to the queries of u (B, C, d_model): M_W(unit(u W_Q)) W_R, (B, C, d_model)."""
         return self.wr(memory_mlp(weights, F.normalize(self.wq(u), dim=-1)))
 
-    def write_keys(self, u: torch.Tensor) -> torch.Tensor:
-        """The write's keys of u (B, C, d_model): unit(u W_K), or with memory.center_keys
-        unit(u W_K - mean_t u_t W_K) (each sequence's mean key of the chunk removed), (B, C, dim)."""
-        keys = self.wk(u)
+    def write_pairs(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values a write of u (B, C, d_model) stores, each (B, T, dim): k_t = unit(u_t W_K)
+        (with memory.center_keys unit(u_t W_K - mean_s u_s W_K), the mean over the T keys of each
+        sequence) and v_t = u_t W_V, T = C; with memory.next_token_values v_t = u_{t+1} W_V, T = C - 1."""
+        keys, values = self.wk(u), self.wv(u)
+        if self.cfg.next_token_values:
+            keys, values = keys[:, :-1], values[:, 1:]
         if self.cfg.center_keys:
             keys = keys - keys.mean(1, keepdim=True)
-        return F.normalize(keys, dim=-1)
+        return F.normalize(keys, dim=-1), values
 
     def associative_loss(self, weights: Mapping[str, torch.Tensor], u: torch.Tensor) -> torch.Tensor:
-        """Per-sequence write loss of u (B, C, d_model): mean_t 1/2 ||M_W(k_t) - u_t W_V||^2 with k =
-        `write_keys`, (B,) float32 (at least). The mean over the chunk keeps the loss's curvature at most
+        """Per-sequence write loss of u (B, C, d_model): mean_t 1/2 ||M_W(k_t) - v_t||^2 over the pairs of
+        `write_pairs`, (B,) float32 (at least). The mean over the chunk keeps the loss's curvature at most
         1 for a linear memory (unit keys), whatever the chunk length, so a learning rate up to 1 is
         stable; memory.normalize_step divides it by an upper bound of the actual curvature."""
-        error = memory_mlp(weights, self.write_keys(u)) - self.wv(u)
+        keys, values = self.write_pairs(u)
+        error = memory_mlp(weights, keys) - values
         return 0.5 * error.to(torch.promote_types(error.dtype, torch.float32)).square().sum(-1).mean(-1)
 
     def gate_values(self, u: torch.Tensor, lr_scale: float = 1.0) -> tuple[torch.Tensor, ...]:
@@ -156,7 +164,7 @@ class NeuralMemory(nn.Module):
             }
 
         if self.cfg.normalize_step:
-            inputs = memory_layer_inputs(at, self.write_keys(u))
+            inputs = memory_layer_inputs(at, self.write_pairs(u)[0])
             theta = [theta / curvature_scale(x) for x in inputs]
         state = self.optimizer.with_gates(state, momentum=rows(eta), decay=rows(alpha))
         return inner_step(
