@@ -50,7 +50,8 @@ def curvature_scale(inputs: torch.Tensor) -> torch.Tensor:
     """rho = ||X^T X||_F / C of one layer's inputs X (B, C, in) over a chunk, per sequence: (B,) in at
     least float32 (the Gram matrix of the smaller side: ||X^T X||_F = ||X X^T||_F)."""
     x = inputs.to(torch.promote_types(inputs.dtype, torch.float32))
-    gram = x @ x.transpose(1, 2) if x.shape[1] <= x.shape[2] else x.transpose(1, 2) @ x
+    with torch.autocast(x.device.type, enabled=False):  # keep the Gram in float32 under bf16 autocast
+        gram = x @ x.transpose(1, 2) if x.shape[1] <= x.shape[2] else x.transpose(1, 2) @ x
     return gram.flatten(1).norm(dim=-1).clamp_min(1e-6) / x.shape[1]
 
 
