@@ -3,6 +3,7 @@
 One chunk x (B, C, d_model) with memory weights W (as of the end of the previous chunk), h = attn_norm(x):
 
     mac (memory as context)   a = SWA(h + read_W(h))       x' = x + a           write W on rms(a)
+                              (memory.mac_write_from=input: write W on h)
     mag (memory as gate)      a = SWA(h)                   x' = x + a * sigmoid(read_W(h))   write W on h
     then x'' = x' + mlp(mlp_norm(x')), as in every block.
 

@@ -11,6 +11,12 @@ For one chunk of hidden states u (B, C, d_model) of every sequence, with the mem
 unit() scales each vector to unit L2 norm. M_W is linear (k -> k W_0) at memory.depth 1, and
 k + silu(...silu(k W_0)...) W_{L-1} at depth L >= 2. The write is one `ttt.inner.inner_step` with the
 `InnerGatedMomentum` optimizer: theta is its per-row learning rate, eta and alpha its per-row gates.
+Options of the write (all off by default; docs/neural_memory.md has what each measured):
+
+    memory.center_keys        k_t = unit(u_t W_K - mean_s u_s W_K)
+    memory.next_token_values  pairs (k_t, v_{t+1}), t < C - 1: a key stores what came next
+    memory.normalize_step     layer j's lr theta / rho_j, rho_j = ||X_j^T X_j||_F / C (X_j its inputs)
+    memory.tie_init           W_K = W_Q and W_R = W_V^T at initialisation
 """
 
 from __future__ import annotations
