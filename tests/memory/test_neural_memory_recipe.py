@@ -19,6 +19,16 @@ TINY = [
 ]
 
 
+AIMED = [
+    "memory.center_keys=true",
+    "memory.normalize_step=true",
+    "memory.next_token_values=true",
+    "memory.mac_write_from=input",
+    "memory.tie_init=true",
+]
+"""The write options of docs/neural_memory.md's aimed runs."""
+
+
 @pytest.fixture
 def tiny(tmp_path):
     corpus = write_tiny_corpus(tmp_path / "corpus")
@@ -43,8 +53,9 @@ def test_recipes_load_with_their_documented_settings(recipe):
         ("neural_memory", []),
         ("neural_memory", ["memory.variant=mag", "memory.depth=1"]),
         ("neural_memory_16k", []),
+        ("neural_memory_16k", [*AIMED]),
     ],
-    ids=["mac", "mag-linear", "16k"],
+    ids=["mac", "mag-linear", "16k", "16k-aimed"],
 )
 def test_tiny_run_trains_and_writes_long_context_figures(tiny, tmp_path, recipe, extra):
     assert main([*tiny(recipe, *extra), "run.name=mem"]) == 0
