@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ttt.inner import InnerGatedMomentum, InnerSGD, inner_step
-from ttt.memory import MemoryBlock, MemoryConfig, NeuralMemoryTransformer, memory_mlp
+from ttt.memory import MemoryBlock, MemoryConfig, NeuralMemory, NeuralMemoryTransformer, memory_mlp
 from ttt.models import Transformer, TransformerConfig
 from ttt.models.transformer import rope_cos_sin
 from ttt.ttt_layers import TTTConfig
@@ -86,27 +86,58 @@ def reference_losses(model, x, *, write=True):
             y = x_c + a if block.variant == "mac" else x_c + a * torch.sigmoid(read)
             outputs.append(y + block.mlp(block.mlp_norm(y)))
             if write:
-                u = a / (a.square().mean(-1, keepdim=True) + 1e-6).sqrt() if block.variant == "mac" else h
-                k = F.normalize(u @ mem.wk.weight.t(), dim=-1)
-                v = u @ mem.wv.weight.t()
+                mac_from_attention = block.variant == "mac" and mem.cfg.mac_write_from == "attention"
+                u = a / (a.square().mean(-1, keepdim=True) + 1e-6).sqrt() if mac_from_attention else h
+                k, v = u @ mem.wk.weight.t(), u @ mem.wv.weight.t()
+                if mem.cfg.next_token_values:  # token t's key stores token t + 1's value
+                    k, v = k[:-1], v[1:]
+                if mem.cfg.center_keys:
+                    k = k - k.mean(0)
+                k = F.normalize(k, dim=-1)
                 if mem.cfg.write_grad == "partial":
                     k, v = k.detach(), v.detach()
                 loss = 0.5 * (memory_mlp(weights, k[None])[0] - v).square().sum(-1).mean()
                 grads = torch.autograd.grad(loss, list(weights.values()), retain_graph=True)
                 gates = torch.sigmoid(u.mean(0) @ mem.gates.weight.t() + mem.gates.bias)
                 theta, eta, alpha = mem.cfg.max_lr * gates[0], gates[1], gates[2]
+                layer_input = k
                 for (name, w), g in zip(list(weights.items()), grads):
-                    surprise[name] = eta * surprise[name] - theta * g
+                    # memory.normalize_step: this layer's lr over ||X^T X||_F / C of its inputs X (C, in)
+                    rho = (layer_input.t() @ layer_input).norm() / len(k) if mem.cfg.normalize_step else 1
+                    surprise[name] = eta * surprise[name] - theta / rho * g
                     weights[name] = (1 - alpha) * w + surprise[name]
+                    layer_input = F.silu(layer_input @ w)
         logits = model.head(torch.cat(outputs))
         out.append(F.cross_entropy(logits[:-1], row[1:], reduction="none"))
     return torch.stack(out)
 
 
+WRITE_OPTIONS = {
+    "plain": {},
+    "centered": {"center_keys": True},
+    "normalized": {"normalize_step": True},
+    "centered+normalized": {"center_keys": True, "normalize_step": True},
+    "next-token values": {"next_token_values": True},
+    "all": {
+        "center_keys": True,
+        "normalize_step": True,
+        "next_token_values": True,
+        "mac_write_from": "input",
+        "tie_init": True,
+    },
+}
+
+
 @pytest.mark.parametrize("variant", ["mac", "mag"])
 @pytest.mark.parametrize("write_grad", ["total", "partial"])
-@pytest.mark.parametrize("depth, chunk_len", [(1, 1), (2, 1), (2, 4), (3, 3)], ids=str)
-def test_chunked_reading_equals_a_plain_loop(variant, write_grad, depth, chunk_len):
+@pytest.mark.parametrize(
+    "depth, chunk_len, options",
+    [(1, 1, "plain"), (2, 1, "plain"), (2, 4, "plain"), (3, 3, "plain"), (1, 4, "centered+normalized")]
+    + [(2, 4, name) for name in ("centered", "normalized", "centered+normalized")]
+    + [(3, 3, "centered+normalized"), (2, 4, "next-token values"), (2, 4, "all"), (1, 3, "all")],
+    ids=str,
+)
+def test_chunked_reading_equals_a_plain_loop(variant, write_grad, depth, chunk_len, options):
     """chunk_len 1 is the per-token recurrence. float64: the recurrence amplifies rounding."""
     model = make(
         variant=variant,
@@ -116,10 +147,81 @@ def test_chunked_reading_equals_a_plain_loop(variant, write_grad, depth, chunk_l
         dtype=torch.float64,
         max_lr=0.5,  # stable without the gradient clip, which the plain loop does not have
         grad_clip=None,
+        **WRITE_OPTIONS[options],
     )
     x = tokens(n=11)
     torch.testing.assert_close(model.token_losses(x), reference_losses(model, x), rtol=1e-7, atol=1e-7)
     torch.testing.assert_close(model.token_losses(x, adapt=False), reference_losses(model, x, write=False))
+
+
+def one_write(memory, u):
+    """The memory weights after one write of chunk u (B, C, d_model) from zero weights and surprise."""
+    weights = {
+        n: torch.zeros(u.shape[0], *w.shape, dtype=u.dtype, requires_grad=True)
+        for n, w in memory.init.items()
+    }
+    return memory.write(
+        weights, memory.init_state(weights), u, lr_scale=1.0, create_graph=False, retain_graph=False
+    )[0]
+
+
+@pytest.mark.parametrize("directions", [1, 2, 4, 8])
+def test_normalized_step_writes_each_key_direction_by_theta_over_sqrt_rank(directions):
+    """A linear memory (unit keys = the inputs, W_K = I), one write of a chunk whose 8 keys spread evenly
+    over r orthogonal directions e_i, each with its value v_i: the mean loss's step moves M(e_i) by
+    theta / r of v_i; memory.normalize_step divides the lr by rho = ||K^T K||_F / C = 1 / sqrt(r), so
+    each direction gets theta / sqrt(r) (the same as without it when all keys are alike, r = 1)."""
+    torch.manual_seed(0)
+    memory = NeuralMemory(8, MemoryConfig(depth=1, normalize_step=True, grad_clip=None, decay_init=0.01))
+    with torch.no_grad():
+        memory.wk.weight.copy_(torch.eye(8))
+    u = torch.eye(8)[torch.arange(8) % directions][None].double()
+    memory.double()
+    theta = memory.gate_values(u)[0].item()
+    values = memory.wv(torch.eye(8, dtype=torch.float64)[:directions])  # v_i = e_i W_V
+    written = memory_mlp(one_write(memory, u), torch.eye(8, dtype=torch.float64)[:directions][None])[0]
+    torch.testing.assert_close(written, theta / directions**0.5 * values)
+    memory.cfg.normalize_step = False
+    plain = memory_mlp(one_write(memory, u), torch.eye(8, dtype=torch.float64)[:directions][None])[0]
+    torch.testing.assert_close(plain, theta / directions * values)
+
+
+def test_centered_keys_drop_the_direction_the_chunk_shares():
+    """Keys that share one large direction (cosine ~0.98, as mac's attention outputs do) are, with
+    memory.center_keys, the unit vectors of their deviations from the chunk's mean (near-orthogonal)."""
+    torch.manual_seed(0)
+    memory = NeuralMemory(16, MemoryConfig(center_keys=True))
+    u = torch.randn(2, 1, 16) * 3 + 0.3 * torch.randn(2, 12, 16)
+    projected = memory.wk(u)
+    torch.testing.assert_close(
+        memory.write_pairs(u)[0], F.normalize(projected - projected.mean(1, keepdim=True), dim=-1)
+    )
+
+    def mean_cosine(k):
+        k = F.normalize(k, dim=-1)
+        return ((k @ k.transpose(1, 2)).sum() - k.shape[0] * k.shape[1]) / (
+            k.shape[0] * k.shape[1] * (k.shape[1] - 1)
+        )
+
+    assert mean_cosine(projected) > 0.9
+    assert mean_cosine(memory.write_pairs(u)[0]).abs() < 0.2
+
+
+def test_tied_initialisation_lets_a_query_read_what_was_written_for_its_own_key():
+    """memory.tie_init: W_K = W_Q and W_R = W_V^T, so that (linear memory) after one write of a chunk of
+    orthogonal unit inputs, reading with one of them returns its written source in the residual stream
+    (theta / sqrt(r) of it, normalised step, W_V W_V^T ~ I); untied, the read is unrelated to it."""
+    torch.manual_seed(0)
+    options = {"depth": 1, "tie_init": True, "normalize_step": True, "grad_clip": None, "lr_init": 0.9}
+    memory = NeuralMemory(64, MemoryConfig(**options))
+    assert torch.equal(memory.wk.weight, memory.wq.weight)
+    assert torch.equal(memory.wr.weight, memory.wv.weight.t())
+    u = torch.eye(64)[None, :8] * 8  # 8 orthogonal inputs of rms 1
+    readback = memory.read(one_write(memory, u), u)
+    cosine = F.cosine_similarity(readback, u, dim=-1)
+    assert cosine.min() > 0.5
+    untied = NeuralMemory(64, MemoryConfig(**{**options, "tie_init": False}))
+    assert F.cosine_similarity(untied.read(one_write(untied, u), u), u, dim=-1).abs().max() < 0.5
 
 
 def test_total_write_gradient_goes_through_the_attention():
@@ -135,8 +237,10 @@ def test_total_write_gradient_goes_through_the_attention():
 
 
 @pytest.mark.parametrize("variant", ["mac", "mag"])
-def test_writes_are_causal_and_a_chunk_never_reads_its_own_tokens(variant):
-    model = make(variant=variant)
+@pytest.mark.parametrize("options", ["plain", "centered+normalized"])
+def test_writes_are_causal_and_a_chunk_never_reads_its_own_tokens(variant, options):
+    """Centred keys use the chunk's mean key, but only in the write after the chunk is read."""
+    model = make(variant=variant, **WRITE_OPTIONS[options])
     x = tokens(n=15, batch=1)
     written, unwritten = model.token_losses(x), model.token_losses(x, adapt=False)
     torch.testing.assert_close(written[:, :4], unwritten[:, :4], rtol=0, atol=0)  # chunk 0 reads the init
@@ -174,21 +278,30 @@ def _meta_loss(model, x, **options):
 
 
 @pytest.mark.parametrize(
-    "variant, depth, write_grad", [("mac", 2, "total"), ("mac", 1, "partial"), ("mag", 2, "total")]
+    "variant, depth, write_grad, options",
+    [
+        ("mac", 2, "total", "plain"),
+        ("mac", 1, "partial", "plain"),
+        ("mag", 2, "total", "plain"),
+        ("mac", 2, "total", "centered+normalized"),
+    ],
 )
 @pytest.mark.parametrize("along", ["every parameter", "memory.wk and memory.wv"])
-def test_outer_gradient_matches_finite_differences(variant, depth, write_grad, along):
+def test_outer_gradient_matches_finite_differences(variant, depth, write_grad, options, along):
     """Directional derivative along the gradient (of every parameter, or of the write's key and value
     projections only, which reach the outer loss through second-order terms alone) against central
     differences in float64 (the model normalises in float32 inside RMSNorm, hence h = 1e-3)."""
-    model = make(variant=variant, depth=depth, write_grad=write_grad, dtype=torch.float64)
+    model = make(
+        variant=variant, depth=depth, write_grad=write_grad, dtype=torch.float64, **WRITE_OPTIONS[options]
+    )
     x = tokens(n=13, batch=1)
     names, params = zip(*model.named_parameters())
     grads = torch.autograd.grad(_meta_loss(model, x), params)
     # first order: the write's keys and values enter only through its (constant) gradient, so W_K, W_V get
-    # no outer gradient at all
+    # no outer gradient at all (W_K does with memory.normalize_step: the keys set the write's lr)
     first_order = torch.autograd.grad(_meta_loss(model, x, first_order=True), params, materialize_grads=True)
-    assert not first_order[names.index("layers.1.memory.wk.weight")].any()
+    assert not first_order[names.index("layers.1.memory.wv.weight")].any()
+    assert first_order[names.index("layers.1.memory.wk.weight")].any() == model.memory_cfg.normalize_step
     if along != "every parameter":
         grads = [
             g if ".memory.wk" in n or ".memory.wv" in n else torch.zeros_like(g) for n, g in zip(names, grads)
@@ -276,6 +389,14 @@ def test_bad_settings_name_the_key():
         NeuralMemoryTransformer(base, TTTConfig(), MemoryConfig())
     with pytest.raises(ValueError, match="ttt.suffix_len"):
         NeuralMemoryTransformer(base, TTTConfig(suffix_len=3, extra_mlp=False), MemoryConfig())
+    with pytest.raises(ValueError, match="memory.center_keys"):
+        NeuralMemoryTransformer(base, TTTConfig(extra_mlp=False, chunk_len=1), MemoryConfig(center_keys=True))
+    with pytest.raises(ValueError, match="memory.next_token_values"):
+        NeuralMemoryTransformer(
+            base, TTTConfig(extra_mlp=False, chunk_len=1), MemoryConfig(next_token_values=True)
+        )
+    with pytest.raises(ValueError, match="memory.mac_write_from"):
+        MemoryConfig(mac_write_from="output")
 
 
 @pytest.mark.parametrize("first_order", [False, True])

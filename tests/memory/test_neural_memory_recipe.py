@@ -19,6 +19,16 @@ TINY = [
 ]
 
 
+AIMED = [
+    "memory.center_keys=true",
+    "memory.normalize_step=true",
+    "memory.next_token_values=true",
+    "memory.mac_write_from=input",
+    "memory.tie_init=true",
+]
+"""The write options of docs/neural_memory.md's aimed runs."""
+
+
 @pytest.fixture
 def tiny(tmp_path):
     corpus = write_tiny_corpus(tmp_path / "corpus")
@@ -43,8 +53,9 @@ def test_recipes_load_with_their_documented_settings(recipe):
         ("neural_memory", []),
         ("neural_memory", ["memory.variant=mag", "memory.depth=1"]),
         ("neural_memory_16k", []),
+        ("neural_memory_16k", [*AIMED]),
     ],
-    ids=["mac", "mag-linear", "16k"],
+    ids=["mac", "mag-linear", "16k", "16k-aimed"],
 )
 def test_tiny_run_trains_and_writes_long_context_figures(tiny, tmp_path, recipe, extra):
     assert main([*tiny(recipe, *extra), "run.name=mem"]) == 0
@@ -92,3 +103,35 @@ def test_compare_overlays_passkey_curves(tmp_path, capsys):
     assert "| mem | 0.50 | 0.12 |" in table and "| mem (no TTT) | 0.00 | 0.00 |" in table
     assert "| swa | 0.25 | 0.12 |" in table and "swa (no TTT)" not in table
     assert (tmp_path / "cmp" / "passkey_compare.png").stat().st_size > 0
+
+
+def test_diagnose_reports_a_trained_run_and_leaves_its_reading_unchanged(tiny, tmp_path, capsys):
+    """python -m ttt.memory.diagnose on a finished run: every figure, the loss lines equal the model's own
+    written and unwritten losses, and the probe changes nothing it measures."""
+    import torch
+
+    from ttt.memory.diagnose import MemoryProbe, mean_cosine, probing
+    from ttt.memory.diagnose import main as diagnose
+
+    assert main([*tiny("neural_memory"), "run.name=mem"]) == 0
+    capsys.readouterr()
+    assert diagnose([f"run={tmp_path / 'runs' / 'mem'}", "--rows", "2"]) == 0
+    report = capsys.readouterr().out
+    for figure in ("keys mean cos", "gate theta", "write <dM, e> / |e|^2", "write clip factor", "next chunk"):
+        assert figure in report
+    assert "wk.weight" in report and "gates.bias" in report
+
+    cfg = load_config(tiny("neural_memory"))
+    model = build(cfg)[0].model
+    x = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(0))
+    plain = model.token_losses(x)
+    with probing(model, MemoryProbe()) as probe:
+        probed = model.token_losses(x)
+    torch.testing.assert_close(probed, plain, rtol=0, atol=0)
+    writes = len(model.suffix) * (48 // cfg.ttt.chunk_len - 1)  # the last chunk is not written
+    assert len(probe.figures["gate theta"]) == writes
+    assert "read" not in vars(model.suffix[0].memory)  # methods restored
+
+    same = torch.ones(1, 3, 4)
+    torch.testing.assert_close(mean_cosine(same), torch.ones(1))
+    torch.testing.assert_close(mean_cosine(torch.eye(3)[None]), torch.zeros(1))

@@ -3,6 +3,7 @@
 One chunk x (B, C, d_model) with memory weights W (as of the end of the previous chunk), h = attn_norm(x):
 
     mac (memory as context)   a = SWA(h + read_W(h))       x' = x + a           write W on rms(a)
+                              (memory.mac_write_from=input: write W on h)
     mag (memory as gate)      a = SWA(h)                   x' = x + a * sigmoid(read_W(h))   write W on h
     then x'' = x' + mlp(mlp_norm(x')), as in every block.
 
@@ -39,7 +40,7 @@ class MemoryBlock(SuffixBlock):
 
     def __init__(self, block: Block, cfg: TransformerConfig, memory: MemoryConfig):
         super().__init__(block, cfg, None)
-        self.variant = memory.variant
+        self.variant, self.mac_write_from = memory.variant, memory.mac_write_from
         self.memory = NeuralMemory(cfg.d_model, memory).to(block.attn_norm.weight.device)
 
     def forward(
@@ -64,7 +65,7 @@ class MemoryBlock(SuffixBlock):
         read = self.memory.read(weights, h)
         if self.variant == "mac":
             attended, cache = self.attend(h + read, cos, sin, cache)
-            x, source = x + attended, unit_rms(attended)
+            x, source = x + attended, (h if self.mac_write_from == "input" else unit_rms(attended))
         else:
             attended, cache = self.attend(h, cos, sin, cache)
             x, source = x + attended * torch.sigmoid(read), h

@@ -14,6 +14,13 @@ class MemoryVariant(Choice):
     mag = "mag"
 
 
+class MacWriteSource(Choice):
+    """memory.mac_write_from."""
+
+    attention = "attention"
+    input = "input"
+
+
 class WriteGradient(Choice):
     """memory.write_grad."""
 
@@ -44,6 +51,31 @@ class MemoryConfig:
     into the keys and values, so the outer gradient differentiates the attention's backward: second
     order through attention) or partial (keys and values taken as given, Titans' associative gradient;
     the same as total with mag)."""
+    mac_write_from: MacWriteSource = MacWriteSource.attention
+    """What mac writes from: attention (rms of the attention's output, as the published MAC) or input (the
+    block's normalised input h, the vectors its queries come from: a key can then match the queries
+    of the same content, and memory.tie_init makes them match at initialisation). mag always writes
+    from the input."""
+    next_token_values: bool = False
+    """Write each token's key with the next token's value (v_t = u_{t+1} W_V, the chunk's last key left
+    out): the memory stores what followed each context, so a read returns what came after similar
+    contexts (an associative next-token memory) instead of the context itself. Needs ttt.chunk_len >= 2."""
+    tie_init: bool = False
+    """Initialise the key projection equal to the query projection (W_K = W_Q) and the read-out as the
+    value projection's transpose (W_R = W_V^T): before meta-training a query then finds the keys of
+    similar hidden states and its read returns (a projection of) what was written for them."""
+    center_keys: bool = False
+    """Subtract the chunk's mean key (of u W_K, per sequence) before a write's keys are scaled to unit
+    norm, so that a write stores what tells the chunk's tokens apart instead of one direction they
+    share (mac writes from the attention's output, whose tokens point almost the same way: mean cosine
+    0.94 at initialisation, 0.9995 after the CPU recipe). Needs two keys per chunk (ttt.chunk_len >= 2,
+    3 with memory.next_token_values)."""
+    normalize_step: bool = False
+    """Divide each memory layer's learning rate by rho = ||X^T X||_F / C, X (C, in) that layer's inputs
+    over the chunk (the keys, for the first layer): an upper bound of the largest curvature of the
+    write's loss along that layer (linear memory), 1 when the chunk's keys are all alike and about
+    1 / sqrt(r) when they spread evenly over r directions. Without it a step of theta writes each of r
+    such directions by about theta / r of its error."""
     max_lr: float = 1.0
     """Largest memory learning rate: theta = max_lr * sigmoid(linear(chunk's mean hidden state))."""
     lr_init: float = 0.5
@@ -58,7 +90,8 @@ class MemoryConfig:
     first_order: bool = False
     """Treat the memory's gradients as constants in the outer backward (no second-order terms). The key
     and value projections (memory.wk, memory.wv) enter the outer loss only through those gradients, so
-    they get no outer gradient and keep their initial values (under ddp: trainer.find_unused_parameters)."""
+    they get no outer gradient and keep their initial values (under ddp: trainer.find_unused_parameters);
+    with memory.normalize_step the keys also set the write's learning rate, so memory.wk gets one."""
     checkpoint: bool = False
     """Recompute each chunk in the outer backward instead of storing its activations."""
 
@@ -71,6 +104,7 @@ class MemoryConfig:
             if value is not None and value < 1:
                 raise ValueError(f"memory.{name} must be a positive int or null, got {value}")
         self.write_grad = WriteGradient.parse(self.write_grad, "memory.write_grad")
+        self.mac_write_from = MacWriteSource.parse(self.mac_write_from, "memory.mac_write_from")
         if self.max_lr <= 0:
             raise ValueError(f"memory.max_lr must be > 0, got {self.max_lr}")
         for name in ("lr_init", "momentum_init", "decay_init"):
@@ -79,6 +113,10 @@ class MemoryConfig:
                 raise ValueError(f"memory.{name} must be in (0, 1) (a sigmoid gate's value), got {value}")
         if self.grad_clip is not None and self.grad_clip <= 0:
             raise ValueError(f"memory.grad_clip must be > 0 or null, got {self.grad_clip}")
+
+    def keys_per_write(self, chunk_len: int) -> int:
+        """How many (key, value) pairs a write of a chunk_len-token chunk has."""
+        return chunk_len - 1 if self.next_token_values else chunk_len
 
     def width(self, d_model: int) -> int:
         """Memory width in use: memory.dim, or d_model when unset."""

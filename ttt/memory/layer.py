@@ -11,6 +11,12 @@ For one chunk of hidden states u (B, C, d_model) of every sequence, with the mem
 unit() scales each vector to unit L2 norm. M_W is linear (k -> k W_0) at memory.depth 1, and
 k + silu(...silu(k W_0)...) W_{L-1} at depth L >= 2. The write is one `ttt.inner.inner_step` with the
 `InnerGatedMomentum` optimizer: theta is its per-row learning rate, eta and alpha its per-row gates.
+Options of the write (all off by default; docs/neural_memory.md has what each measured):
+
+    memory.center_keys        k_t = unit(u_t W_K - mean_s u_s W_K)
+    memory.next_token_values  pairs (k_t, v_{t+1}), t < C - 1: a key stores what came next
+    memory.normalize_step     layer j's lr theta / rho_j, rho_j = ||X_j^T X_j||_F / C (X_j its inputs)
+    memory.tie_init           W_K = W_Q and W_R = W_V^T at initialisation
 """
 
 from __future__ import annotations
@@ -30,16 +36,29 @@ Weights = dict[str, torch.Tensor]
 """The memory MLP's weights by name (w0, w1, ...): each (in, out), or (B, in, out) one per sequence."""
 
 
+def memory_layer_inputs(weights: Mapping[str, torch.Tensor], keys: torch.Tensor) -> list[torch.Tensor]:
+    """The input of each layer of M_W for keys (B, C, dim): [keys, silu(keys @ w0), ...], one per weight
+    w0..w{L-1} (each (B, C, in) of that weight)."""
+    inputs = [keys]
+    for j in range(len(weights) - 1):
+        inputs.append(F.silu(inputs[-1] @ weights[f"w{j}"]))
+    return inputs
+
+
 def memory_mlp(weights: Mapping[str, torch.Tensor], keys: torch.Tensor) -> torch.Tensor:
     """M_W(keys): keys (B, C, dim) with weights w0..w{L-1}, each (B, in, out) -> (B, C, dim). One weight:
     the linear map keys @ w0; more: keys + silu(...silu(keys @ w0)...) @ w{L-1} (a residual MLP)."""
-    layers = [weights[f"w{j}"] for j in range(len(weights))]
-    if len(layers) == 1:
-        return keys @ layers[0]
-    hidden = keys
-    for weight in layers[:-1]:
-        hidden = F.silu(hidden @ weight)
-    return keys + hidden @ layers[-1]
+    last = memory_layer_inputs(weights, keys)[-1] @ weights[f"w{len(weights) - 1}"]
+    return last if len(weights) == 1 else keys + last
+
+
+def curvature_scale(inputs: torch.Tensor) -> torch.Tensor:
+    """rho = ||X^T X||_F / C of one layer's inputs X (B, C, in) over a chunk, per sequence: (B,) in at
+    least float32 (the Gram matrix of the smaller side: ||X^T X||_F = ||X X^T||_F)."""
+    x = inputs.to(torch.promote_types(inputs.dtype, torch.float32))
+    with torch.autocast(x.device.type, enabled=False):  # keep the Gram in float32 under bf16 autocast
+        gram = x @ x.transpose(1, 2) if x.shape[1] <= x.shape[2] else x.transpose(1, 2) @ x
+    return gram.flatten(1).norm(dim=-1).clamp_min(1e-6) / x.shape[1]
 
 
 def _logit(p: float) -> float:
@@ -68,9 +87,13 @@ class NeuralMemory(nn.Module):
         """Projections N(0, 1/fan_in) (unit-scale values of normalised inputs; before any write, the read
         of a unit query is of size 1/sqrt(dim) per component); gates at lr_init, momentum_init and
         decay_init (zero weights); memory: linear at zero, an MLP at the identity map (hidden layers
-        N(0, 1/in), last layer zero)."""
+        N(0, 1/in), last layer zero). memory.tie_init: W_K = W_Q and W_R = W_V^T."""
         for layer in (self.wq, self.wk, self.wv, self.wr):
             nn.init.normal_(layer.weight, std=layer.weight.shape[1] ** -0.5)
+        if self.cfg.tie_init:
+            with torch.no_grad():
+                self.wk.weight.copy_(self.wq.weight)
+                self.wr.weight.copy_(self.wv.weight.t())
         nn.init.zeros_(self.gates.weight)
         with torch.no_grad():
             self.gates.bias.copy_(
@@ -91,11 +114,24 @@ class NeuralMemory(nn.Module):
         """The memory's answer to the queries of u (B, C, d_model): M_W(unit(u W_Q)) W_R, (B, C, d_model)."""
         return self.wr(memory_mlp(weights, F.normalize(self.wq(u), dim=-1)))
 
+    def write_pairs(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values a write of u (B, C, d_model) stores, each (B, T, dim): k_t = unit(u_t W_K)
+        (with memory.center_keys unit(u_t W_K - mean_s u_s W_K), the mean over the T keys of each
+        sequence) and v_t = u_t W_V, T = C; with memory.next_token_values v_t = u_{t+1} W_V, T = C - 1."""
+        keys, values = self.wk(u), self.wv(u)
+        if self.cfg.next_token_values:
+            keys, values = keys[:, :-1], values[:, 1:]
+        if self.cfg.center_keys:
+            keys = keys - keys.mean(1, keepdim=True)
+        return F.normalize(keys, dim=-1), values
+
     def associative_loss(self, weights: Mapping[str, torch.Tensor], u: torch.Tensor) -> torch.Tensor:
-        """Per-sequence write loss of u (B, C, d_model): mean_t 1/2 ||M_W(unit(u_t W_K)) - u_t W_V||^2,
-        (B,) float32 (at least). The mean over the chunk keeps the loss's curvature at most 1 for a linear
-        memory (unit keys), whatever the chunk length, so a learning rate up to 1 is stable."""
-        error = memory_mlp(weights, F.normalize(self.wk(u), dim=-1)) - self.wv(u)
+        """Per-sequence write loss of u (B, C, d_model): mean_t 1/2 ||M_W(k_t) - v_t||^2 over the pairs of
+        `write_pairs`, (B,) float32 (at least). The mean over the chunk keeps the loss's curvature at most
+        1 for a linear memory (unit keys), whatever the chunk length, so a learning rate up to 1 is
+        stable; memory.normalize_step divides it by an upper bound of the actual curvature."""
+        keys, values = self.write_pairs(u)
+        error = memory_mlp(weights, keys) - values
         return 0.5 * error.to(torch.promote_types(error.dtype, torch.float32)).square().sum(-1).mean(-1)
 
     def gate_values(self, u: torch.Tensor, lr_scale: float = 1.0) -> tuple[torch.Tensor, ...]:
@@ -128,9 +164,15 @@ class NeuralMemory(nn.Module):
             at = dict(weights)
         theta, eta, alpha = self.gate_values(u, lr_scale)
 
-        def rows(gate: torch.Tensor) -> dict[str, torch.Tensor]:
-            return {name: gate.view(-1, *(1,) * (w.dim() - 1)).to(w.dtype) for name, w in at.items()}
+        def rows(gate: torch.Tensor | list[torch.Tensor]) -> dict[str, torch.Tensor]:
+            gates = gate if isinstance(gate, list) else [gate] * len(at)
+            return {
+                name: g.view(-1, *(1,) * (w.dim() - 1)).to(w.dtype) for g, (name, w) in zip(gates, at.items())
+            }
 
+        if self.cfg.normalize_step:
+            inputs = memory_layer_inputs(at, self.write_pairs(u)[0])
+            theta = [theta / curvature_scale(x) for x in inputs]
         state = self.optimizer.with_gates(state, momentum=rows(eta), decay=rows(alpha))
         return inner_step(
             self.associative_loss(at, u).sum(),  # rows are independent: each row's grad is its own loss's

@@ -48,6 +48,12 @@ class NeuralMemoryTransformer(ChunkedReader):
                 "ttt.extra_mlp must be false with a neural memory: the memory blocks' fast weights are "
                 "the memory's own (memory.*)"
             )
+        pairs = memory.keys_per_write(ttt.chunk_len)
+        if pairs < 1 or (memory.center_keys and pairs < 2):
+            raise ValueError(
+                f"ttt.chunk_len {ttt.chunk_len} leaves {pairs} key(s) per write: memory.next_token_values "
+                "needs ttt.chunk_len >= 2, and memory.center_keys two keys (one key minus the mean is none)"
+            )
         self.memory_cfg = memory
 
     def initial_fast_weights(self) -> dict[str, torch.Tensor]:
