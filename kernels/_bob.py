@@ -51,16 +51,15 @@ def attention_bob_rows_kernel(
     HAS_UK: tl.constexpr, HAS_UV: tl.constexpr, HAS_G: tl.constexpr, WANT_GQ: tl.constexpr,
     WANT_GDO: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-    PK_LATE: tl.constexpr, A_IN_REGS: tl.constexpr,
+    PK_LATE: tl.constexpr, DO_IN_REGS: tl.constexpr, Q_IN_REGS: tl.constexpr,
 ):
     """One program: BLOCK_M query rows of one (batch, query head); writes Q̄, c, e (WANT_GQ) and
     dŌ (WANT_GDO). Grid (cdiv(N, BLOCK_M), B * Hq). GQ, GDO and GQP share strides (fresh buffers).
 
     PK_LATE (two launches only): the Q̄ launch leaves sum[P K] to the dŌ launch, so that each holds
     at most two (BLOCK_M, D) accumulators; it writes s*sum[X K + dS U_K] - c*dQ to GQP (float32
-    scratch) and x to X, which the dŌ launch completes to Q̄. A_IN_REGS keeps the left operands
-    that are loop-invariant in registers (`in_registers`): dO in a launch that computes Q̄, q and
-    u_q in one that does not."""
+    scratch) and x to X, which the dŌ launch completes to Q̄. DO_IN_REGS and Q_IN_REGS keep dO,
+    and q and u_q, the loop-invariant left operands of W, dP, S and G, in registers (`in_registers`)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // HEADS_Q).to(tl.int64)
@@ -81,13 +80,12 @@ def attention_bob_rows_kernel(
     do = load_tile(DO + b * sdob + h * sdoh, offs_m, offs_d, sdon, N, HEAD_DIM)
     if HAS_UQ:
         uq = load_tile(UQ + b * suqb + h * suqh, offs_m, offs_d, suqn, N, HEAD_DIM)
-    if A_IN_REGS:
-        if WANT_GQ:
-            do = in_registers(do, offs_m, N)
-        else:
-            q = in_registers(q, offs_m, N)
-            if HAS_UQ:
-                uq = in_registers(uq, offs_m, N)
+    if DO_IN_REGS:
+        do = in_registers(do, offs_m, N)
+    if Q_IN_REGS:
+        q = in_registers(q, offs_m, N)
+        if HAS_UQ:
+            uq = in_registers(uq, offs_m, N)
     lse2 = lse_log2(Lse + row, offs_m, N)
     delta = tl.load(Delta + row + offs_m, mask=offs_m < N, other=0.0)
 
@@ -176,11 +174,11 @@ def attention_bob_cols_kernel(
     HAS_UK: tl.constexpr, HAS_UV: tl.constexpr, HAS_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-    A_IN_REGS: tl.constexpr,
+    K_IN_REGS: tl.constexpr,
 ):
     """One program: BLOCK_N keys of one (batch, kv head), summing over its GROUP query heads;
     writes K̄ and V̄. Grid (cdiv(M, BLOCK_N), B * Hkv). GK and GV share strides. Tiles are
-    (BLOCK_N, BLOCK_M): the transposes of the rows kernel's. A_IN_REGS keeps k, the left operand
+    (BLOCK_N, BLOCK_M): the transposes of the rows kernel's. K_IN_REGS keeps k, the left operand
     of two products per tile, in registers (`in_registers`)."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -192,7 +190,7 @@ def attention_bob_cols_kernel(
     offs_m0 = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     k = load_tile(K + b * skb + hk * skh, offs_n, offs_d, skn, M, HEAD_DIM)
-    if A_IN_REGS:
+    if K_IN_REGS:
         k = in_registers(k, offs_n, M)
     if HAS_G:
         v = load_tile(V + b * svb + hk * svh, offs_n, offs_d, svn, M, HEAD_DIM)

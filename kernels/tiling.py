@@ -146,15 +146,16 @@ def split_bob_rows(head_dim: int) -> bool:
 
 
 BOB_KERNELS = ("bob_rows", "bob_cols")
-BOB_ROWS_VARIANTS = ("PK_LATE", "GQ_A_IN_REGS", "GDO_A_IN_REGS")
+BOB_ROWS_VARIANTS = ("PK_LATE", "DO_IN_REGS", "Q_IN_REGS")
 """Settings of the BoB rows kernel, off unless overridden (benchmarks/portable.py measures them):
 PK_LATE, with SPLIT, moves the sum P K from the Q̄ launch to the dŌ launch (two accumulators
-each, not three and one; Q̄'s partial sums pass through a float32 buffer); GQ_A_IN_REGS keeps dO
-in registers in the launch that computes Q̄, GDO_A_IN_REGS keeps q and u_q in registers in the dŌ
-launch (their products then read one operand from shared memory, not two)."""
+each, not three and one; Q̄'s partial sums pass through a float32 buffer); DO_IN_REGS keeps dO in
+registers in the launch that computes Q̄, Q_IN_REGS keeps q and u_q in registers in the launch
+that computes dŌ (one launch: both in the same one). Their products (W, dP; S, G) then read one
+operand from shared memory, not two. bob_cols has K_IN_REGS, for k (S and G)."""
 COLUMN_KERNELS = ("backward_kv", "bob_cols")
 """Kernels whose programs own BLOCK_N keys and loop over query tiles (the others own BLOCK_M rows)."""
-LAUNCH_ONLY = ("SPLIT", "WARP_SPECIALIZE", "A_IN_REGS", *BOB_ROWS_VARIANTS)
+LAUNCH_ONLY = ("SPLIT", "WARP_SPECIALIZE", "K_IN_REGS", *BOB_ROWS_VARIANTS)
 """Settings that are not tiles: `launch` remembers a fallback's tiles without them."""
 
 
@@ -302,7 +303,7 @@ def choose(kernel: str, q: torch.Tensor, **flags) -> dict:
         cfg.setdefault("SPLIT", split_bob_rows(q.shape[-1]))
         cfg.update({name: False for name in BOB_ROWS_VARIANTS})
     if kernel == "bob_cols":
-        cfg["A_IN_REGS"] = False
+        cfg["K_IN_REGS"] = False
     if kernel in BOB_KERNELS:
         cfg.setdefault("WARP_SPECIALIZE", False)
     cfg.update(_overrides.get(kernel, {}))
@@ -371,7 +372,7 @@ def override(kernel: str, **settings):
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     known = (("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
              + (("SPLIT", *BOB_ROWS_VARIANTS) if kernel == "bob_rows" else ())
-             + (("A_IN_REGS",) if kernel == "bob_cols" else ())
+             + (("K_IN_REGS",) if kernel == "bob_cols" else ())
              + (("WARP_SPECIALIZE",) if kernel in BOB_KERNELS else ()))
     unknown = sorted(set(settings) - set(known))
     if unknown:

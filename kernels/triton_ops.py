@@ -156,7 +156,7 @@ def bob(q, k, v, out, lse, dout, dq, u_q, u_k, u_v, *, causal: bool, window: int
     def run_rows(cfg):
         cfg = dict(cfg)
         split, pk_late = cfg.pop("SPLIT"), cfg.pop("PK_LATE")
-        regs = {True: cfg.pop("GQ_A_IN_REGS"), False: cfg.pop("GDO_A_IN_REGS")}
+        do_regs, q_regs = cfg.pop("DO_IN_REGS"), cfg.pop("Q_IN_REGS")
         pk_late = pk_late and split
         # Q̄ with c and e first, then dŌ (in one launch where the accumulators fit the registers).
         # With PK_LATE the first launch leaves float32 partial sums of Q̄ and the row sums x behind.
@@ -172,7 +172,8 @@ def bob(q, k, v, out, lse, dout, dq, u_q, u_k, u_v, *, causal: bool, window: int
         passes = ((True, False), (False, True)) if split else ((True, True),)
         grid = (triton.cdiv(n, cfg["BLOCK_M"]), batch * heads_q)
         compiled = [attention_bob_rows_kernel[grid](*rows_args, **common, WANT_GQ=gq, WANT_GDO=gdo,
-                                                    PK_LATE=pk_late, A_IN_REGS=regs[gq], **cfg)
+                                                    PK_LATE=pk_late, DO_IN_REGS=do_regs and gq,
+                                                    Q_IN_REGS=q_regs and gdo, **cfg)
                     for gq, gdo in passes]
         return max(compiled, key=lambda c: getattr(getattr(c, "metadata", None), "shared", 0))
 

@@ -30,8 +30,8 @@ def read_rows(out):
 def test_every_part_at_toy_sizes(tmp_path, monkeypatch, capsys):
     portable = load_script()
     monkeypatch.setattr(tiling, "launch_listener", None)
-    # head dim 80: the default splits the rows kernel in two launches, the second setting fuses it
-    monkeypatch.setattr(portable, "SWEEP", {80: portable.SWEEP[128][:2]})
+    # head dim 80: the default splits the rows kernel in two launches; a rows and a cols variant
+    monkeypatch.setattr(portable, "SWEEP", {80: [portable.SWEEP[128][i] for i in (0, 3, 4)]})
     portable.main(["--smoke", "--out", str(tmp_path), "--families", "1", "--precision-d", "48"])
     rows = read_rows(tmp_path)
     by_part = {}
@@ -48,13 +48,13 @@ def test_every_part_at_toy_sizes(tmp_path, monkeypatch, capsys):
     assert first["status"] == "ok" and float(first["first_total_s"]) > 0
     assert by_part["shared"] and tiling.launch_listener is not None
     table = capsys.readouterr().out.split("part        | case")[-1]
-    assert "d80 causal rows fused 64x32 w8" in table and "first" in table
+    assert "d80 causal rows P K late, dO + q in regs" in table and "first" in table
 
 
 def test_a_failing_setting_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
     portable = load_script()
     monkeypatch.setattr(tiling, "launch_listener", None)
-    settings = [("default", None, {}), ("not a tile", "bob_cols", {"BLOCK_M": 3})]
+    settings = [("default", {}), ("not a tile", {"bob_cols": {"BLOCK_M": 3}})]
     monkeypatch.setattr(portable, "SWEEP", {16: settings})
     monkeypatch.setattr(portable, "median_ms", lambda fn, rep_ms: 1.0)
     portable.main(["--smoke", "--out", str(tmp_path), "--parts", "sweep"])
@@ -63,6 +63,27 @@ def test_a_failing_setting_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch
     assert rows[0]["status"] == "ok" and rows[1]["status"].startswith("failed: ")
     meta = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()][0]
     assert meta["part"] == "meta" and "limits" in meta
+
+
+def test_variants_that_beat_the_default_are_combined_and_ranges_are_timed(tmp_path, monkeypatch):
+    """The sweep measures the best rows and cols settings together and runs full attention with the
+    winner; the ranges part times both paths with and without ranges, twice each."""
+    portable = load_script()
+    monkeypatch.setattr(tiling, "launch_listener", None)
+    monkeypatch.setattr(portable, "SWEEP", {48: [portable.SWEEP[128][i] for i in (0, 1, 4)]})
+    monkeypatch.setattr(portable, "median_ms", lambda fn, rep_ms: 2.0 / (1 + len(tiling._overrides)))
+    portable.main(["--smoke", "--out", str(tmp_path), "--parts", "sweep,ranges"])
+    rows = read_rows(tmp_path)
+    sweep = [(r["mask"], r["setting"]) for r in rows if r["part"] == "sweep"]
+    both = "rows q in regs + cols k in regs"
+    assert sweep == [("causal", "default"), ("causal", "rows q in regs"), ("causal", "cols k in regs"),
+                     ("causal", both), ("full", "default"), ("full", both)]
+    assert all(r["status"] == "ok" for r in rows if r["part"] == "sweep")
+    assert all(float(r["err_ratio_to_torch"]) < 1 for r in rows if r["part"] == "sweep")
+    ranges = [(r["part_d"], r["path"], r["setting"], r["repeat"]) for r in rows if r["part"] == "ranges"]
+    assert sorted(ranges) == sorted((d, path, setting, repeat) for d in ("128", "64")
+                                    for path in ("launcher", "flash_attention")
+                                    for setting in ("none", "full") for repeat in ("1", "2"))
 
 
 def test_unknown_part_is_refused():

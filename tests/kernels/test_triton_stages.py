@@ -172,10 +172,10 @@ def test_bob_with_warp_specialized_loops():
 
 BOB_VARIANTS = {  # the launch-setting variants benchmarks/portable.py measures against the default
     "pk_late": ("bob_rows", dict(SPLIT=True, PK_LATE=True)),
-    "pk_late_regs": ("bob_rows", dict(SPLIT=True, PK_LATE=True, GQ_A_IN_REGS=True, GDO_A_IN_REGS=True)),
-    "gdo_regs": ("bob_rows", dict(SPLIT=True, GDO_A_IN_REGS=True)),
-    "one_launch_regs": ("bob_rows", dict(SPLIT=False, GQ_A_IN_REGS=True)),
-    "cols_regs": ("bob_cols", dict(A_IN_REGS=True)),
+    "pk_late_regs": ("bob_rows", dict(SPLIT=True, PK_LATE=True, DO_IN_REGS=True, Q_IN_REGS=True)),
+    "q_regs": ("bob_rows", dict(SPLIT=True, Q_IN_REGS=True)),
+    "one_launch_regs": ("bob_rows", dict(SPLIT=False, DO_IN_REGS=True, Q_IN_REGS=True)),
+    "cols_regs": ("bob_cols", dict(K_IN_REGS=True)),
 }
 
 
