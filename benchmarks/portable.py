@@ -53,20 +53,22 @@ from kernels.reference import attention_naive
 SWEEP = {  # head dim 128 first: the larger gap to its goal. (name, {kernel: tiling.override settings})
     128: [
         ("default", {}),
-        # rows kernel, dO launch: q and u_q in registers (S, G read one operand from shared memory)
+        # rows kernel, dO launch: q and u_q in registers (S and G read one operand from shared memory)
         ("rows q in regs", {"bob_rows": dict(Q_IN_REGS=True)}),
-        # rows kernel: sum P K in the dO launch (no spills in the Q-bar launch)
+        # rows kernel: sum P K in the dO launch (the Q-bar launch stops spilling), then dO and q in registers
         ("rows P K late", {"bob_rows": dict(PK_LATE=True)}),
         ("rows P K late, dO + q in regs", {"bob_rows": dict(PK_LATE=True, DO_IN_REGS=True, Q_IN_REGS=True)}),
+        # 128 rows over two warpgroups (64 each, no cross-warpgroup row sums): half the key-side loads
+        ("rows 128x32 w8", {"bob_rows": dict(BLOCK_M=128, num_warps=8)}),
+        ("rows 128x32 w8, P K late, dO + q in regs",
+         {"bob_rows": dict(BLOCK_M=128, num_warps=8, PK_LATE=True, DO_IN_REGS=True, Q_IN_REGS=True)}),
         ("cols k in regs", {"bob_cols": dict(K_IN_REGS=True)}),
         ("cols 3 stages", {"bob_cols": dict(num_stages=3)}),
     ],
     64: [
         ("default", {}),
         ("rows dO + q in regs", {"bob_rows": dict(DO_IN_REGS=True, Q_IN_REGS=True)}),
-        ("rows q in regs", {"bob_rows": dict(Q_IN_REGS=True)}),
         ("cols k in regs", {"bob_cols": dict(K_IN_REGS=True)}),
-        ("cols k in regs, 3 stages", {"bob_cols": dict(K_IN_REGS=True, num_stages=3)}),
     ],
 }
 """After the causal settings of a head dim, the best rows-only and the best cols-only setting that

@@ -175,6 +175,8 @@ BOB_VARIANTS = {  # the launch-setting variants benchmarks/portable.py measures 
     "pk_late_regs": ("bob_rows", dict(SPLIT=True, PK_LATE=True, DO_IN_REGS=True, Q_IN_REGS=True)),
     "q_regs": ("bob_rows", dict(SPLIT=True, Q_IN_REGS=True)),
     "one_launch_regs": ("bob_rows", dict(SPLIT=False, DO_IN_REGS=True, Q_IN_REGS=True)),
+    "wide_rows_regs": ("bob_rows", dict(SPLIT=True, BLOCK_M=128, BLOCK_N=32, PK_LATE=True, DO_IN_REGS=True,
+                                        Q_IN_REGS=True)),
     "cols_regs": ("bob_cols", dict(K_IN_REGS=True)),
 }
 
@@ -187,7 +189,8 @@ def bob_variant(name: str):
     listener = tiling.launch_listener
     tiling.launch_listener = lambda k, cfg, *rest: used.append(cfg) if k == kernel else None
     try:
-        with tiling.override(kernel, **settings, BLOCK_M=32 if kernel == "bob_rows" else 16, BLOCK_N=16):
+        tiles = {"BLOCK_M": 32 if kernel == "bob_rows" else 16, "BLOCK_N": 16}
+        with tiling.override(kernel, **{**tiles, **settings}):
             yield
     finally:
         tiling.launch_listener = listener
