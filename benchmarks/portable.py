@@ -68,7 +68,13 @@ SWEEP = {  # head dim 128 first: the larger gap to its goal. (name, {kernel: til
     64: [
         ("default", {}),
         ("rows dO + q in regs", {"bob_rows": dict(DO_IN_REGS=True, Q_IN_REGS=True)}),
+        ("rows 128x32 w8, dO + q in regs",
+         {"bob_rows": dict(BLOCK_M=128, num_warps=8, DO_IN_REGS=True, Q_IN_REGS=True)}),
         ("cols k in regs", {"bob_cols": dict(K_IN_REGS=True)}),
+        # the head-dim-128 columns tile (128 keys over two warpgroups), which compiles without spills here
+        ("cols 32x128 w8", {"bob_cols": dict(BLOCK_M=32, BLOCK_N=128, num_warps=8)}),
+        ("cols 32x128 w8, k in regs",
+         {"bob_cols": dict(BLOCK_M=32, BLOCK_N=128, num_warps=8, K_IN_REGS=True)}),
     ],
 }
 """After the causal settings of a head dim, the best rows-only and the best cols-only setting that
