@@ -29,7 +29,8 @@ def test_forward_with_key_ranges_compiles_for_sm90(tmp_path):
     assert sum(row["hgmma"].values()) > 0  # wgmma: the Hopper code path, not the interpreter's
 
 
-def test_refuses_to_run_under_the_interpreter():
+def test_refuses_to_run_under_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     spec = importlib.util.spec_from_file_location("sm90_resources", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
