@@ -26,7 +26,7 @@ the cases it skipped; a failing case is recorded and the run goes on):
   shared      free, from the launches above: each compiled kernel's shared memory against
               kernels.tiling.shared_mem_estimate (to recalibrate the estimate), its registers and
               spills (of a split rows kernel: the launch with the larger shared memory).
-Writes OUT/results.csv and OUT/results.jsonl (every row) after each part and prints a short table
+Writes OUT/results.csv and OUT/results.jsonl (every row) after each row and prints a short table
 last. --smoke runs every part at toy sizes, float16 standing in for bfloat16 (on the CPU under
 TRITON_INTERPRET=1: a test of the script).
 """
@@ -198,6 +198,7 @@ class Run:
         row = {"part": part, **fields}
         self.rows.append(row)
         print(json.dumps(row), flush=True)
+        self.save()  # a run cut off by a time limit keeps every row recorded so far
 
     def save(self) -> None:
         names = list(dict.fromkeys(k for row in self.rows for k in row))
