@@ -146,13 +146,14 @@ def split_bob_rows(head_dim: int) -> bool:
 
 
 BOB_KERNELS = ("bob_rows", "bob_cols")
-BOB_ROWS_VARIANTS = ("PK_LATE", "DO_IN_REGS", "Q_IN_REGS")
+BOB_ROWS_VARIANTS = ("PK_LATE", "DO_IN_REGS", "Q_IN_REGS", "Q_IN_REGS_GQ")
 """Settings of the BoB rows kernel, off unless overridden (benchmarks/portable.py measures them):
 PK_LATE, with SPLIT, moves the sum P K from the Q̄ launch to the dŌ launch (two accumulators
 each, not three and one; Q̄'s partial sums pass through a float32 buffer); DO_IN_REGS keeps dO in
 registers in the launch that computes Q̄, Q_IN_REGS keeps q and u_q in registers in the launch
-that computes dŌ (one launch: both in the same one). Their products (W, dP; S, G) then read one
-operand from shared memory, not two. bob_cols has K_IN_REGS, for k (S and G)."""
+that computes dŌ, Q_IN_REGS_GQ in the one that computes Q̄ (one launch: in it, if either is set).
+Their products (W, dP; S, G) then read one operand from shared memory, not two. bob_cols has
+K_IN_REGS, for k (S and G)."""
 COLUMN_KERNELS = ("backward_kv", "bob_cols")
 """Kernels whose programs own BLOCK_N keys and loop over query tiles (the others own BLOCK_M rows)."""
 LAUNCH_ONLY = ("SPLIT", "WARP_SPECIALIZE", "K_IN_REGS", *BOB_ROWS_VARIANTS)

@@ -156,7 +156,7 @@ def bob(q, k, v, out, lse, dout, dq, u_q, u_k, u_v, *, causal: bool, window: int
     def run_rows(cfg):
         cfg = dict(cfg)
         split, pk_late = cfg.pop("SPLIT"), cfg.pop("PK_LATE")
-        do_regs, q_regs = cfg.pop("DO_IN_REGS"), cfg.pop("Q_IN_REGS")
+        do_regs, q_regs, q_regs_gq = (cfg.pop(name) for name in ("DO_IN_REGS", "Q_IN_REGS", "Q_IN_REGS_GQ"))
         pk_late = pk_late and split
         # Q̄ with c and e first, then dŌ (in one launch where the accumulators fit the registers).
         # With PK_LATE the first launch leaves float32 partial sums of Q̄ and the row sums x behind.
@@ -173,7 +173,7 @@ def bob(q, k, v, out, lse, dout, dq, u_q, u_k, u_v, *, causal: bool, window: int
         grid = (triton.cdiv(n, cfg["BLOCK_M"]), batch * heads_q)
         compiled = [attention_bob_rows_kernel[grid](*rows_args, **common, WANT_GQ=gq, WANT_GDO=gdo,
                                                     PK_LATE=pk_late, DO_IN_REGS=do_regs and gq,
-                                                    Q_IN_REGS=q_regs and gdo, **cfg)
+                                                    Q_IN_REGS=(q_regs and gdo) or (q_regs_gq and gq), **cfg)
                     for gq, gdo in passes]
         return max(compiled, key=lambda c: getattr(getattr(c, "metadata", None), "shared", 0))
 

@@ -176,7 +176,7 @@ BOB_VARIANTS = {  # the launch-setting variants benchmarks/portable.py measures 
     "q_regs": ("bob_rows", dict(SPLIT=True, Q_IN_REGS=True)),
     "one_launch_regs": ("bob_rows", dict(SPLIT=False, DO_IN_REGS=True, Q_IN_REGS=True)),
     "wide_rows_regs": ("bob_rows", dict(SPLIT=True, BLOCK_M=128, BLOCK_N=32, PK_LATE=True, DO_IN_REGS=True,
-                                        Q_IN_REGS=True)),
+                                        Q_IN_REGS=True, Q_IN_REGS_GQ=True)),
     "cols_regs": ("bob_cols", dict(K_IN_REGS=True)),
 }
 
@@ -213,7 +213,7 @@ def test_bob_launch_variants(case, variant):
 
 @pytest.mark.many_compiles
 @pytest.mark.parametrize("present", SUBSETS, ids="+".join)
-@pytest.mark.parametrize("variant", ["pk_late_regs", "cols_regs"])
+@pytest.mark.parametrize("variant", ["wide_rows_regs", "cols_regs"])
 def test_bob_launch_variants_with_partial_cotangents(variant, present):
     with bob_variant(variant):
         test_bob_with_partial_cotangents(CASES[1], present)
