@@ -40,7 +40,7 @@ from kernels import tiling, triton_ops
 
 STAGE_KERNELS = {"forward": ("forward",), "backward": ("backward_kv", "backward_q"),
                  "bob": ("bob_rows", "bob_cols"), "jvp": ("jvp",)}
-FLAGS = ("CAUSAL", "HAS_RANGE", "WANT_GQ", "WANT_GDO", "PK_LATE", "DO_IN_REGS", "Q_IN_REGS", "K_IN_REGS",
+FLAGS = ("CAUSAL", "HAS_RANGE", "WANT_GQ", "WANT_GDO", "PK_LATE", "DO_IN_REGS", "Q_IN_REGS", "KEYS_IN_REGS",
          "WARP_SPECIALIZE")
 TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 

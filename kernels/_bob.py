@@ -174,12 +174,12 @@ def attention_bob_cols_kernel(
     HAS_UK: tl.constexpr, HAS_UV: tl.constexpr, HAS_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-    K_IN_REGS: tl.constexpr,
+    KEYS_IN_REGS: tl.constexpr,
 ):
     """One program: BLOCK_N keys of one (batch, kv head), summing over its GROUP query heads;
     writes K̄ and V̄. Grid (cdiv(M, BLOCK_N), B * Hkv). GK and GV share strides. Tiles are
-    (BLOCK_N, BLOCK_M): the transposes of the rows kernel's. K_IN_REGS keeps k, the left operand
-    of two products per tile, in registers (`in_registers`)."""
+    (BLOCK_N, BLOCK_M): the transposes of the rows kernel's. KEYS_IN_REGS keeps k, v, u_k and u_v,
+    the left operands of the five recomputed products, in registers (`in_registers`)."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // HEADS_KV).to(tl.int64)
@@ -190,14 +190,20 @@ def attention_bob_cols_kernel(
     offs_m0 = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     k = load_tile(K + b * skb + hk * skh, offs_n, offs_d, skn, M, HEAD_DIM)
-    if K_IN_REGS:
+    if KEYS_IN_REGS:
         k = in_registers(k, offs_n, M)
     if HAS_G:
         v = load_tile(V + b * svb + hk * svh, offs_n, offs_d, svn, M, HEAD_DIM)
+        if KEYS_IN_REGS:
+            v = in_registers(v, offs_n, M)
     if HAS_UK:
         uk = load_tile(UK + b * sukb + hk * sukh, offs_n, offs_d, sukn, M, HEAD_DIM)
+        if KEYS_IN_REGS:
+            uk = in_registers(uk, offs_n, M)
     if HAS_UV:
         uv = load_tile(UV + b * suvb + hk * suvh, offs_n, offs_d, suvn, M, HEAD_DIM)
+        if KEYS_IN_REGS:
+            uv = in_registers(uv, offs_n, M)
     acc_k = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     acc_v = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     lo, hi = query_range(start_n, N, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW, HAS_RANGE, BLOCK_M, BLOCK_N)

@@ -153,10 +153,10 @@ each, not three and one; Q̄'s partial sums pass through a float32 buffer); DO_I
 registers in the launch that computes Q̄, Q_IN_REGS keeps q and u_q in registers in the launch
 that computes dŌ, Q_IN_REGS_GQ in the one that computes Q̄ (one launch: in it, if either is set).
 Their products (W, dP; S, G) then read one operand from shared memory, not two. bob_cols has
-K_IN_REGS, for k (S and G)."""
+KEYS_IN_REGS, for k, v, u_k and u_v (S, G, dP, W)."""
 COLUMN_KERNELS = ("backward_kv", "bob_cols")
 """Kernels whose programs own BLOCK_N keys and loop over query tiles (the others own BLOCK_M rows)."""
-LAUNCH_ONLY = ("SPLIT", "WARP_SPECIALIZE", "K_IN_REGS", *BOB_ROWS_VARIANTS)
+LAUNCH_ONLY = ("SPLIT", "WARP_SPECIALIZE", "KEYS_IN_REGS", *BOB_ROWS_VARIANTS)
 """Settings that are not tiles: `launch` remembers a fallback's tiles without them."""
 
 
@@ -304,7 +304,7 @@ def choose(kernel: str, q: torch.Tensor, **flags) -> dict:
         cfg.setdefault("SPLIT", split_bob_rows(q.shape[-1]))
         cfg.update({name: False for name in BOB_ROWS_VARIANTS})
     if kernel == "bob_cols":
-        cfg["K_IN_REGS"] = False
+        cfg["KEYS_IN_REGS"] = False
     if kernel in BOB_KERNELS:
         cfg.setdefault("WARP_SPECIALIZE", False)
     cfg.update(_overrides.get(kernel, {}))
@@ -373,7 +373,7 @@ def override(kernel: str, **settings):
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     known = (("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
              + (("SPLIT", *BOB_ROWS_VARIANTS) if kernel == "bob_rows" else ())
-             + (("K_IN_REGS",) if kernel == "bob_cols" else ())
+             + (("KEYS_IN_REGS",) if kernel == "bob_cols" else ())
              + (("WARP_SPECIALIZE",) if kernel in BOB_KERNELS else ()))
     unknown = sorted(set(settings) - set(known))
     if unknown:

@@ -75,8 +75,8 @@ def test_variants_that_beat_the_default_are_combined_and_ranges_are_timed(tmp_pa
     portable.main(["--smoke", "--out", str(tmp_path), "--parts", "sweep,ranges"])
     rows = read_rows(tmp_path)
     sweep = [(r["mask"], r["setting"]) for r in rows if r["part"] == "sweep"]
-    both = "rows q in regs + cols k in regs"
-    assert sweep == [("causal", "default"), ("causal", "rows q in regs"), ("causal", "cols k in regs"),
+    both = "rows q in regs + cols keys in regs"
+    assert sweep == [("causal", "default"), ("causal", "rows q in regs"), ("causal", "cols keys in regs"),
                      ("causal", both), ("full", "default"), ("full", both)]
     assert all(r["status"] == "ok" for r in rows if r["part"] == "sweep")
     assert all(float(r["err_ratio_to_torch"]) < 1 for r in rows if r["part"] == "sweep")

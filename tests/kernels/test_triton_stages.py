@@ -177,7 +177,7 @@ BOB_VARIANTS = {  # the launch-setting variants benchmarks/portable.py measures 
     "one_launch_regs": ("bob_rows", dict(SPLIT=False, DO_IN_REGS=True, Q_IN_REGS=True)),
     "wide_rows_regs": ("bob_rows", dict(SPLIT=True, BLOCK_M=128, BLOCK_N=32, PK_LATE=True, DO_IN_REGS=True,
                                         Q_IN_REGS=True, Q_IN_REGS_GQ=True)),
-    "cols_regs": ("bob_cols", dict(K_IN_REGS=True)),
+    "cols_regs": ("bob_cols", dict(KEYS_IN_REGS=True)),
 }
 
 
