@@ -61,15 +61,18 @@ SWEEP = {  # head dim 128 first: the larger gap to its goal. (name, {kernel: til
         # the columns kernel with k, v, u_k, u_v in registers (all five recomputes read one operand
         # from shared memory; 24 B of spills on sm_90)
         ("cols keys in regs", {"bob_cols": dict(KEYS_IN_REGS=True)}),
-        ("rows 128x32 w8, P K late, dO + q in regs",
-         {"bob_rows": dict(BLOCK_M=128, num_warps=8, PK_LATE=True, DO_IN_REGS=True, Q_IN_REGS=True)}),
-        ("rows P K late, dO + q in regs", {"bob_rows": dict(PK_LATE=True, DO_IN_REGS=True, Q_IN_REGS=True)}),
-        # the dO launch with q and u_q in registers (S and G read one operand from shared memory)
+        # the same rows change at the default 64 x 32 tile (two programs per SM, not one)
+        ("rows P K late, all in regs",
+         {"bob_rows": dict(PK_LATE=True, DO_IN_REGS=True, Q_IN_REGS=True, Q_IN_REGS_GQ=True)}),
+        ("rows 128x32 w8 s3, P K late, all in regs", {"bob_rows": dict(
+            BLOCK_M=128, num_warps=8, num_stages=3, PK_LATE=True, DO_IN_REGS=True, Q_IN_REGS=True,
+            Q_IN_REGS_GQ=True)}),
+        # the parts alone: q and u_q in registers in the dO launch; the 128-row tile; P K in the dO
+        # launch (the Q-bar launch stops spilling); one more columns stage
         ("rows q in regs", {"bob_rows": dict(Q_IN_REGS=True)}),
-        ("cols 3 stages", {"bob_cols": dict(num_stages=3)}),
-        # the parts alone: the 128-row tile; P K in the dO launch (the Q-bar launch stops spilling)
         ("rows 128x32 w8", {"bob_rows": dict(BLOCK_M=128, num_warps=8)}),
         ("rows P K late", {"bob_rows": dict(PK_LATE=True)}),
+        ("cols 3 stages", {"bob_cols": dict(num_stages=3)}),
     ],
     64: [
         ("default", {}),
