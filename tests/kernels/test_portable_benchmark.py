@@ -20,6 +20,12 @@ def load_script():
     return module
 
 
+def pick(portable, d, *names):
+    """The SWEEP entries of head dim d with these names, in this order."""
+    by_name = dict(portable.SWEEP[d])
+    return [(name, by_name[name]) for name in names]
+
+
 def read_rows(out):
     with open(out / "results.csv") as f:
         return list(csv.DictReader(f))
@@ -31,7 +37,8 @@ def test_every_part_at_toy_sizes(tmp_path, monkeypatch, capsys):
     portable = load_script()
     monkeypatch.setattr(tiling, "launch_listener", None)
     # head dim 80: the default splits the rows kernel in two launches; a rows and a cols variant
-    monkeypatch.setattr(portable, "SWEEP", {80: [portable.SWEEP[128][i] for i in (0, 1, 2)]})
+    settings = pick(portable, 128, "default", "rows 128x32 w8, P K late, all in regs", "cols keys in regs")
+    monkeypatch.setattr(portable, "SWEEP", {80: settings})
     portable.main(["--smoke", "--out", str(tmp_path), "--families", "1", "--precision-d", "48"])
     rows = read_rows(tmp_path)
     by_part = {}
@@ -70,7 +77,8 @@ def test_variants_that_beat_the_default_are_combined_and_ranges_are_timed(tmp_pa
     winner; the ranges part times both paths with and without ranges, twice each."""
     portable = load_script()
     monkeypatch.setattr(tiling, "launch_listener", None)
-    monkeypatch.setattr(portable, "SWEEP", {48: [portable.SWEEP[128][i] for i in (0, 5, 2)]})
+    settings = pick(portable, 128, "default", "rows q in regs", "cols keys in regs")
+    monkeypatch.setattr(portable, "SWEEP", {48: settings})
     monkeypatch.setattr(portable, "median_ms", lambda fn, rep_ms: 2.0 / (1 + len(tiling._overrides)))
     portable.main(["--smoke", "--out", str(tmp_path), "--parts", "sweep,ranges"])
     rows = read_rows(tmp_path)
