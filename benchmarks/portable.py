@@ -363,7 +363,7 @@ def range_calls(a, d: int, batch: int) -> dict:
         calls[("launcher", setting)] = lambda kr=key_range[setting]: triton_ops.forward(
             q, k, v, causal=True, window=None, scale=d**-0.5, key_range=kr)
         calls[("flash_attention", setting)] = lambda r=ranges[setting]: kernels.flash_attention(
-            q, k, v, causal=True, **r)
+            q, k, v, causal=True, backend="triton", **r)
     return calls
 
 
