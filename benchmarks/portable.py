@@ -90,7 +90,8 @@ SWEEP = {  # head dim 128 first: the larger gap to its goal. (name, {kernel: til
 }
 """After the causal settings of a head dim, the best rows-only and the best cols-only setting that
 beat the default are also measured together; full attention then runs the default and the best.
-Each head dim gets a share of the sweep's budget in proportion to its settings (plus those three)."""
+Each head dim gets a share of the sweep's budget in proportion to its settings plus those three,
+and its causal settings leave the three their part of it."""
 FAMILIES = [  # [dtype, head dim, mask, kv heads of 4 query heads, fp32_precision]
     ["bf16", 64, "causal", 4, None],
     ["bf16", 128, "full", 1, None],
@@ -290,6 +291,45 @@ def best_combination(rows: list[dict], d: int) -> tuple | None:
     return name, {k: json.loads(best[k]["override"])[k] for k in ("bob_rows", "bob_cols")}
 
 
+class SweepCase:
+    """One (head dim, mask) of the sweep: its inputs, flash's time, the BoB call and the small
+    float64 check, and `measure`, which records one setting's row."""
+
+    def __init__(self, run: Run, d: int, mask: str):
+        a = run.args
+        self.run, self.d, self.mask, self.reference = run, d, mask, None
+        q, k, v, dout, u_q, u_k, u_v = random_inputs(1, a.heads, a.heads, a.n_sweep, d, DTYPES[a.low])
+        self.flash_ms = median_ms(fwd_bwd_call(torch_flash(mask), q, k, v, dout), a.rep_ms)
+        self.bob = bob_call(ours(mask), q, k, v, dout, u_q, u_k, u_v)
+        self.check = SmallCheck(a, d, mask)
+
+    def measure(self, name: str, override: dict, deadline: float) -> None:
+        base = dict(part_d=self.d, mask=self.mask, setting=name, override=json.dumps(override),
+                    flash_ms=self.flash_ms)
+        if time.monotonic() > deadline:
+            self.run.record("sweep", **base, status="skipped: budget")
+            return
+        bob = self.bob
+        try:
+            with overrides(override):
+                first_s = seconds(bob)
+                got = bob()
+                again = bob()
+                ms = median_ms(bob, self.run.args.rep_ms)
+                split = kernel_split(bob)
+                err_ratio = self.check.worst_ratio()
+            deterministic = all(torch.equal(x, y) for x, y in zip(got, again))
+            if self.reference is None:
+                self.reference = got
+            diff = max(rel(x, y) for x, y in zip(got, self.reference))
+            good = diff < 2e-2 and deterministic and err_ratio < 1
+            self.run.record("sweep", **base, ms=ms, ratio=ms / self.flash_ms, rel_diff_to_default=diff,
+                            deterministic=deterministic, err_ratio_to_torch=err_ratio, **split,
+                            first_call_s=first_s, status="ok" if good else "WRONG?")
+        except Exception as exc:  # a setting may not compile or fit: record it and go on
+            self.run.record("sweep", **base, status=failure(exc))
+
+
 def part_sweep(run: Run, budget: float) -> None:
     a = run.args
     start = time.monotonic()
@@ -297,57 +337,27 @@ def part_sweep(run: Run, budget: float) -> None:
     deadline = start
     for d, settings in SWEEP.items():
         settings = settings[:a.settings]
-        deadline += budget * shares[d] / sum(shares.values())
-        winner = None
-        for mask in ("causal", "full"):
-            inputs = random_inputs(1, a.heads, a.heads, a.n_sweep, d, DTYPES[a.low])
-            q, k, v, dout, u_q, u_k, u_v = inputs
-            flash_ms = median_ms(fwd_bwd_call(torch_flash(mask), q, k, v, dout), a.rep_ms)
-            bob = bob_call(ours(mask), q, k, v, dout, u_q, u_k, u_v)
-            check = SmallCheck(a, d, mask)
-            chosen = list(settings) if mask == "causal" else [s for s in settings if s[0] == "default"]
-            if mask == "full" and winner is not None:
-                chosen.append(winner)
-            reference = None
-            index = 0
-            while index < len(chosen):
-                name, override = chosen[index]
-                index += 1
-                base = dict(part_d=d, mask=mask, setting=name, override=json.dumps(override),
-                            flash_ms=flash_ms)
-                if time.monotonic() > deadline:
-                    run.record("sweep", **base, status="skipped: budget")
-                    continue
-                try:
-                    with overrides(override):
-                        first_s = seconds(bob)
-                        got = bob()
-                        again = bob()
-                        ms = median_ms(bob, a.rep_ms)
-                        split = kernel_split(bob)
-                        err_ratio = check.worst_ratio()
-                    deterministic = all(torch.equal(x, y) for x, y in zip(got, again))
-                    if reference is None:
-                        reference = got
-                    diff = max(rel(x, y) for x, y in zip(got, reference))
-                    good = diff < 2e-2 and deterministic and err_ratio < 1
-                    run.record("sweep", **base, ms=ms, ratio=ms / flash_ms, rel_diff_to_default=diff,
-                               deterministic=deterministic, err_ratio_to_torch=err_ratio, **split,
-                               first_call_s=first_s, status="ok" if good else "WRONG?")
-                except Exception as exc:  # a setting may not compile or fit: record it and go on
-                    run.record("sweep", **base, status=failure(exc))
-                if mask == "causal" and index == len(chosen) and len(chosen) == len(settings):
-                    combination = best_combination(run.rows, d)
-                    if combination is not None:
-                        chosen.append(combination)
-            if mask == "causal":
-                ok = [r for r in run.rows if r["part"] == "sweep" and r.get("part_d") == d and r.get("ms")
-                      and r["mask"] == "causal" and r["status"] == "ok"]
-                best = min(ok, key=lambda r: r["ms"], default=None)
-                if best and best["setting"] != "default":
-                    winner = (best["setting"], json.loads(best["override"]))
-            del bob, check
-            free_memory()
+        share = budget * shares[d] / sum(shares.values())
+        # the causal settings leave the last 3 / (settings + 3) of the share to the combination and full
+        causal_deadline = deadline + share * len(settings) / shares[d]
+        deadline += share
+        case = SweepCase(run, d, "causal")
+        for name, override in settings:
+            case.measure(name, override, causal_deadline)
+        combination = best_combination(run.rows, d)
+        if combination is not None:
+            case.measure(*combination, deadline)
+        ok = [r for r in run.rows if r["part"] == "sweep" and r.get("part_d") == d and r.get("ms")
+              and r["mask"] == "causal" and r["status"] == "ok"]
+        best = min(ok, key=lambda r: r["ms"], default=None)
+        del case
+        free_memory()
+        case = SweepCase(run, d, "full")
+        case.measure("default", {}, deadline)
+        if best and best["setting"] != "default":
+            case.measure(best["setting"], json.loads(best["override"]), deadline)
+        del case
+        free_memory()
 
 
 def range_calls(a, d: int, batch: int) -> dict:

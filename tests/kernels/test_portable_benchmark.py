@@ -94,6 +94,31 @@ def test_variants_that_beat_the_default_are_combined_and_ranges_are_timed(tmp_pa
                                     for setting in ("none", "full") for repeat in ("1", "2"))
 
 
+def test_causal_settings_leave_the_combination_and_full_attention_their_budget(tmp_path, monkeypatch):
+    """Each setting's first call costs 15 s of a fake clock; a 70 s budget over 4 settings (+3): the
+    causal settings may start until 40 s, the combination and full attention until 70 s."""
+    portable = load_script()
+    monkeypatch.setattr(tiling, "launch_listener", None)
+    settings = pick(portable, 128, "default", "rows q in regs", "cols keys in regs", "rows P K late")
+    monkeypatch.setattr(portable, "SWEEP", {16: settings})
+    monkeypatch.setattr(portable, "median_ms", lambda fn, rep_ms: 2.0 / (1 + len(tiling._overrides)))
+    clock = [0.0]
+
+    def first_call(fn):
+        fn()
+        clock[0] += 15.0
+        return 15.0
+
+    monkeypatch.setattr(portable, "seconds", first_call)
+    monkeypatch.setattr(portable.time, "monotonic", lambda: clock[0])
+    portable.main(["--smoke", "--out", str(tmp_path), "--parts", "sweep", "--budget-sweep", "70"])
+    rows = [(r["mask"], r["setting"], r["status"]) for r in read_rows(tmp_path) if r["part"] == "sweep"]
+    both = "rows q in regs + cols keys in regs"
+    assert rows == [("causal", "default", "ok"), ("causal", "rows q in regs", "ok"),
+                    ("causal", "cols keys in regs", "ok"), ("causal", "rows P K late", "skipped: budget"),
+                    ("causal", both, "ok"), ("full", "default", "ok"), ("full", both, "skipped: budget")]
+
+
 def test_unknown_part_is_refused():
     with pytest.raises(SystemExit):
         load_script().parse_args(["--parts", "sweep,speed"])
