@@ -4,12 +4,17 @@
 
 Parts, in order of importance (a part starts no new case once its budget is spent, and records
 the cases it skipped; a failing case is recorded and the run goes on):
-  sweep       BoB launch settings for bob_rows / bob_cols (tiling.override), bf16, B=1, H=8,
-              N=16384, head dims 64 and 128: every setting causal, then the default and the causal
-              winner full. Per setting: median ms of the second-order call (triton.testing.do_bench),
-              ratio to torch's flash forward+backward measured in the same run, relative difference
-              of the four outputs to the default setting's (a wrong setting shows), bitwise
-              determinism on repeat, and the first call's seconds (its compilation).
+  sweep       BoB launch settings for bob_rows / bob_cols (tiling.override; SWEEP), bf16, B=1,
+              H=8, N=16384, head dims 128 and 64: every setting causal (then the best rows and the
+              best cols setting together, where both beat the default), then the default and the
+              causal winner full. Per setting: median ms of the second-order call
+              (triton.testing.do_bench), ratio to torch's flash forward+backward measured in the same
+              run, GPU ms of the rows and the columns kernels (profiler), relative difference of the
+              four outputs to the default setting's, the worst error of the four at N=--n-check
+              against float64 as a multiple of plain PyTorch's in bf16, bitwise determinism on
+              repeat, and the first call's seconds (its compilation).
+  ranges      the forward with key ranges that mask nothing against the forward without (B=4, d 128
+              and 64), through the launcher and through flash_attention, alternating.
   precision   float32 products (fp32_precision tf32x3, tf32, then ieee), N=4096, causal, head dims
               64 and 128: relative error against float64 of out, dq, dk, dv and the four BoB outputs
               (B=1, H=2), next to plain PyTorch float32's error (TF32 off); and the ms of forward +
@@ -19,8 +24,9 @@ the cases it skipped; a failing case is recorded and the run goes on):
               backward and BoB; then a call at N+1 in the (B, N, H, D) layout (other divisibility
               of lengths and strides) and the number of kernels it compiled (0 wanted).
   shared      free, from the launches above: each compiled kernel's shared memory against
-              kernels.tiling.shared_mem_estimate (to recalibrate the estimate).
-Writes OUT/results.csv and OUT/results.jsonl (every row) after each part and prints a short table
+              kernels.tiling.shared_mem_estimate (to recalibrate the estimate), its registers and
+              spills (of a split rows kernel: the launch with the larger shared memory).
+Writes OUT/results.csv and OUT/results.jsonl (every row) after each row and prints a short table
 last. --smoke runs every part at toy sizes, float16 standing in for bfloat16 (on the CPU under
 TRITON_INTERPRET=1: a test of the script).
 """
@@ -44,25 +50,48 @@ from kernels import tiling
 from kernels.environment import commit
 from kernels.reference import attention_naive
 
-SWEEP = {  # head dim 128 first: the larger gap to its goal
+SWEEP = {  # head dim 128 first: the larger gap to its goal. (name, {kernel: tiling.override settings}),
+    # in the order of their chances (docs/kernel_notes.md, 2026-12-01): a budget cut drops the last ones
     128: [
-        ("default", None, {}),
-        # one rows launch (18 products, not 21) with two warpgroups holding the three accumulators
-        ("rows fused 64x32 w8", "bob_rows", dict(SPLIT=False, BLOCK_M=64, BLOCK_N=32, num_warps=8)),
-        ("rows fused 64x64 w8", "bob_rows", dict(SPLIT=False, BLOCK_M=64, BLOCK_N=64, num_warps=8)),
-        ("rows fused 128x32 w8", "bob_rows", dict(SPLIT=False, BLOCK_M=128, BLOCK_N=32, num_warps=8)),
-        ("rows warp-specialized", "bob_rows", dict(WARP_SPECIALIZE=True)),
-        ("cols warp-specialized", "bob_cols", dict(WARP_SPECIALIZE=True)),
-        ("cols 32x128 w8", "bob_cols", dict(BLOCK_M=32, BLOCK_N=128, num_warps=8, num_stages=2)),
+        ("default", {}),
+        # 128 rows over two warpgroups (64 each: no cross-warpgroup row sums, half the key-side loads
+        # per product), sum P K in the dO launch, every left operand in registers (no spills on sm_90)
+        ("rows 128x32 w8, P K late, all in regs", {"bob_rows": dict(
+            BLOCK_M=128, num_warps=8, PK_LATE=True, DO_IN_REGS=True, Q_IN_REGS=True, Q_IN_REGS_GQ=True)}),
+        # the columns kernel with k, v, u_k, u_v in registers (all five recomputes read one operand
+        # from shared memory; 24 B of spills on sm_90)
+        ("cols keys in regs", {"bob_cols": dict(KEYS_IN_REGS=True)}),
+        # the same rows change at the default 64 x 32 tile (two programs per SM, not one)
+        ("rows P K late, all in regs",
+         {"bob_rows": dict(PK_LATE=True, DO_IN_REGS=True, Q_IN_REGS=True, Q_IN_REGS_GQ=True)}),
+        ("rows 128x32 w8 s3, P K late, all in regs", {"bob_rows": dict(
+            BLOCK_M=128, num_warps=8, num_stages=3, PK_LATE=True, DO_IN_REGS=True, Q_IN_REGS=True,
+            Q_IN_REGS_GQ=True)}),
+        # the parts alone: q and u_q in registers in the dO launch; the 128-row tile; P K in the dO
+        # launch (the Q-bar launch stops spilling); one more columns stage
+        ("rows q in regs", {"bob_rows": dict(Q_IN_REGS=True)}),
+        ("rows 128x32 w8", {"bob_rows": dict(BLOCK_M=128, num_warps=8)}),
+        ("rows P K late", {"bob_rows": dict(PK_LATE=True)}),
+        ("cols 3 stages", {"bob_cols": dict(num_stages=3)}),
     ],
     64: [
-        ("default", None, {}),
-        ("rows warp-specialized", "bob_rows", dict(WARP_SPECIALIZE=True)),
-        ("cols warp-specialized", "bob_cols", dict(WARP_SPECIALIZE=True)),
-        ("rows 4 stages", "bob_rows", dict(num_stages=4)),
-        ("cols 3 stages", "bob_cols", dict(num_stages=3)),
+        ("default", {}),
+        # one rows launch with dO, q and u_q in registers (239 registers, fewer than the default's 246)
+        ("rows dO + q in regs", {"bob_rows": dict(DO_IN_REGS=True, Q_IN_REGS=True)}),
+        # the default 64 x 64 columns tile spills 128 B on sm_90; with the keys in registers, none
+        ("cols keys in regs", {"bob_cols": dict(KEYS_IN_REGS=True)}),
+        # the head-dim-128 columns tile (128 keys over two warpgroups)
+        ("cols 32x128 w8, keys in regs",
+         {"bob_cols": dict(BLOCK_M=32, BLOCK_N=128, num_warps=8, KEYS_IN_REGS=True)}),
+        ("rows 128x32 w8, dO + q in regs",
+         {"bob_rows": dict(BLOCK_M=128, num_warps=8, DO_IN_REGS=True, Q_IN_REGS=True)}),
+        ("cols 32x128 w8", {"bob_cols": dict(BLOCK_M=32, BLOCK_N=128, num_warps=8)}),
     ],
 }
+"""After the causal settings of a head dim, the best rows-only and the best cols-only setting that
+beat the default are also measured together; full attention then runs the default and the best.
+Each head dim gets a share of the sweep's budget in proportion to its settings plus those three,
+and its causal settings leave the three their part of it."""
 FAMILIES = [  # [dtype, head dim, mask, kv heads of 4 query heads, fp32_precision]
     ["bf16", 64, "causal", 4, None],
     ["bf16", 128, "full", 1, None],
@@ -182,6 +211,7 @@ class Run:
         row = {"part": part, **fields}
         self.rows.append(row)
         print(json.dumps(row), flush=True)
+        self.save()  # a run cut off by a time limit keeps every row recorded so far
 
     def save(self) -> None:
         names = list(dict.fromkeys(k for row in self.rows for k in row))
@@ -197,46 +227,179 @@ def failure(exc: BaseException) -> str:
     return f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
 
 
+def overrides(settings: dict):
+    """A context that applies {kernel: settings} through tiling.override."""
+    stack = contextlib.ExitStack()
+    for kernel, values in settings.items():
+        stack.enter_context(tiling.override(kernel, **values))
+    return stack
+
+
+def bob_outputs(mask: str, d: int, inputs) -> list[torch.Tensor]:
+    """The four BoB outputs of flash_attention on inputs (q, k, v, dout, u_q, u_k, u_v)."""
+    q, k, v, dout, u_q, u_k, u_v = inputs
+    return list(bob_call(ours(mask), q, k, v, dout, u_q, u_k, u_v)())
+
+
+class SmallCheck:
+    """Error of a setting's BoB at a small size (B=1, H=2, --n-check) against float64, as a multiple
+    of plain PyTorch's error in the same low precision (worst of the four outputs): the compiled
+    kernels are the ones timed (lengths do not specialize)."""
+
+    def __init__(self, a, d: int, mask: str):
+        full = random_inputs(1, 2, 2, a.n_check, d, torch.float64, seed=3)
+        self.low = [t.to(DTYPES[a.low]) for t in full]
+        opts = mask_options(mask)
+
+        def naive(q, k, v):
+            return attention_naive(q, k, v, causal=opts["causal"], window=opts["window"], scale=d**-0.5)
+
+        self.ref = all_orders(naive, *full)[4:]
+        self.torch_err = [rel(x, r) for x, r in zip(all_orders(naive, *self.low)[4:], self.ref)]
+        self.mask, self.d = mask, d
+
+    def worst_ratio(self) -> float:
+        got = bob_outputs(self.mask, self.d, self.low)
+        return max(rel(x, r) / max(e, 1e-30) for x, r, e in zip(got, self.ref, self.torch_err))
+
+
+def kernel_split(bob) -> dict:
+    """GPU ms per call of the BoB rows and columns kernels (both rows launches summed); {} off CUDA."""
+    if not torch.cuda.is_available():
+        return {}
+    from kernels.bench import kernel_times
+
+    names = {"rows_ms": "attention_bob_rows_kernel", "cols_ms": "attention_bob_cols_kernel"}
+    times = kernel_times(bob, list(names.values()), reps=3)
+    return {key: times[name] for key, name in names.items()}
+
+
+def best_combination(rows: list[dict], d: int) -> tuple | None:
+    """The best causal rows-only and cols-only settings at d that beat the default, together."""
+    done = [r for r in rows if r["part"] == "sweep" and r.get("part_d") == d and r["mask"] == "causal"
+            and r["status"] == "ok"]
+    default = next((r["ms"] for r in done if r["setting"] == "default"), None)
+    best = {}
+    for r in done:
+        kernels_ = tuple(json.loads(r["override"]))
+        better = default is not None and len(kernels_) == 1 and r["ms"] < default
+        if better and (kernels_[0] not in best or r["ms"] < best[kernels_[0]]["ms"]):
+            best[kernels_[0]] = r
+    if set(best) != {"bob_rows", "bob_cols"}:
+        return None
+    name = " + ".join(best[k]["setting"] for k in ("bob_rows", "bob_cols"))
+    return name, {k: json.loads(best[k]["override"])[k] for k in ("bob_rows", "bob_cols")}
+
+
+class SweepCase:
+    """One (head dim, mask) of the sweep: its inputs, flash's time, the BoB call and the small
+    float64 check, and `measure`, which records one setting's row."""
+
+    def __init__(self, run: Run, d: int, mask: str):
+        a = run.args
+        self.run, self.d, self.mask, self.reference = run, d, mask, None
+        q, k, v, dout, u_q, u_k, u_v = random_inputs(1, a.heads, a.heads, a.n_sweep, d, DTYPES[a.low])
+        self.flash_ms = median_ms(fwd_bwd_call(torch_flash(mask), q, k, v, dout), a.rep_ms)
+        self.bob = bob_call(ours(mask), q, k, v, dout, u_q, u_k, u_v)
+        self.check = SmallCheck(a, d, mask)
+
+    def measure(self, name: str, override: dict, deadline: float) -> None:
+        base = dict(part_d=self.d, mask=self.mask, setting=name, override=json.dumps(override),
+                    flash_ms=self.flash_ms)
+        if time.monotonic() > deadline:
+            self.run.record("sweep", **base, status="skipped: budget")
+            return
+        bob = self.bob
+        try:
+            with overrides(override):
+                first_s = seconds(bob)
+                got = bob()
+                again = bob()
+                ms = median_ms(bob, self.run.args.rep_ms)
+                split = kernel_split(bob)
+                err_ratio = self.check.worst_ratio()
+            deterministic = all(torch.equal(x, y) for x, y in zip(got, again))
+            if self.reference is None:
+                self.reference = got
+            diff = max(rel(x, y) for x, y in zip(got, self.reference))
+            good = diff < 2e-2 and deterministic and err_ratio < 1
+            self.run.record("sweep", **base, ms=ms, ratio=ms / self.flash_ms, rel_diff_to_default=diff,
+                            deterministic=deterministic, err_ratio_to_torch=err_ratio, **split,
+                            first_call_s=first_s, status="ok" if good else "WRONG?")
+        except Exception as exc:  # a setting may not compile or fit: record it and go on
+            self.run.record("sweep", **base, status=failure(exc))
+
+
 def part_sweep(run: Run, budget: float) -> None:
     a = run.args
     start = time.monotonic()
+    shares = {d: len(settings[:a.settings]) + 3 for d, settings in SWEEP.items()}
+    deadline = start
     for d, settings in SWEEP.items():
         settings = settings[:a.settings]
-        winner = None
-        for mask in ("causal", "full"):
-            q, k, v, dout, u_q, u_k, u_v = random_inputs(1, a.heads, a.heads, a.n_sweep, d, DTYPES[a.low])
-            flash_ms = median_ms(fwd_bwd_call(torch_flash(mask), q, k, v, dout), a.rep_ms)
-            bob = bob_call(ours(mask), q, k, v, dout, u_q, u_k, u_v)
-            chosen = settings if mask == "causal" else [s for s in settings if s[0] in ("default", winner)]
-            reference = None
-            for name, kernel, override in chosen:
-                base = dict(part_d=d, mask=mask, setting=name, override=json.dumps(override),
-                            flash_ms=flash_ms)
-                if time.monotonic() - start > budget:
-                    run.record("sweep", **base, status="skipped: budget")
-                    continue
-                try:
-                    with tiling.override(kernel, **override) if kernel else contextlib.nullcontext():
-                        first_s = seconds(bob)
-                        got = bob()
-                        again = bob()
-                        ms = median_ms(bob, a.rep_ms)
-                    deterministic = all(torch.equal(x, y) for x, y in zip(got, again))
-                    if reference is None:
-                        reference = got
-                    diff = max(rel(x, y) for x, y in zip(got, reference))
-                    run.record("sweep", **base, ms=ms, ratio=ms / flash_ms, rel_diff_to_default=diff,
-                               deterministic=deterministic, first_call_s=first_s,
-                               status="ok" if diff < 2e-2 and deterministic else "WRONG?")
-                except Exception as exc:  # a setting may not compile or fit: record it and go on
-                    run.record("sweep", **base, status=failure(exc))
-            if mask == "causal":
-                ok = [r for r in run.rows if r["part"] == "sweep" and r.get("part_d") == d and r.get("ms")
-                      and r["mask"] == "causal" and r["status"] == "ok"]
-                best = min(ok, key=lambda r: r["ms"], default=None)
-                winner = best["setting"] if best and best["setting"] != "default" else None
-            del bob
-            free_memory()
+        share = budget * shares[d] / sum(shares.values())
+        # the causal settings leave the last 3 / (settings + 3) of the share to the combination and full
+        causal_deadline = deadline + share * len(settings) / shares[d]
+        deadline += share
+        case = SweepCase(run, d, "causal")
+        for name, override in settings:
+            case.measure(name, override, causal_deadline)
+        combination = best_combination(run.rows, d)
+        if combination is not None:
+            case.measure(*combination, deadline)
+        ok = [r for r in run.rows if r["part"] == "sweep" and r.get("part_d") == d and r.get("ms")
+              and r["mask"] == "causal" and r["status"] == "ok"]
+        best = min(ok, key=lambda r: r["ms"], default=None)
+        del case
+        free_memory()
+        case = SweepCase(run, d, "full")
+        case.measure("default", {}, deadline)
+        if best and best["setting"] != "default":
+            case.measure(best["setting"], json.loads(best["override"]), deadline)
+        del case
+        free_memory()
+
+
+def range_calls(a, d: int, batch: int) -> dict:
+    """{(path, setting): forward call} of the ranges part at head dim d."""
+    from kernels import triton_ops
+
+    q, k, v = random_inputs(batch, a.heads, a.heads, a.n_sweep, d, DTYPES[a.low])[:3]
+    starts = torch.zeros(batch, dtype=torch.int32, device=device())
+    ranges = {"none": {}, "full": {"key_start": starts, "key_end": starts + a.n_sweep}}
+    key_range = {"none": None, "full": torch.stack((starts, starts + a.n_sweep), -1)}
+    calls = {}
+    for setting in ("none", "full"):
+        calls[("launcher", setting)] = lambda kr=key_range[setting]: triton_ops.forward(
+            q, k, v, causal=True, window=None, scale=d**-0.5, key_range=kr)
+        calls[("flash_attention", setting)] = lambda r=ranges[setting]: kernels.flash_attention(
+            q, k, v, causal=True, backend="triton", **r)
+    return calls
+
+
+def part_ranges(run: Run, budget: float) -> None:
+    """The forward with key ranges that mask nothing (key_start 0, key_end N: the "full" setting of
+    benchmarks/key_ranges.py) against the forward without, causal, bf16, B=4, H=8, N=--n-sweep, head
+    dims 128 and 64 (docs/kernel_notes.md: 1.19x at d128 by key_ranges.py at 8e27c64): the launcher
+    alone (range tensor given: the kernels' cost) and flash_attention (its argument checks, one
+    device sync, included), each measured twice, alternating, every kernel compiled before timing."""
+    a = run.args
+    start = time.monotonic()
+    batch = 4
+    for d in (128, 64):
+        calls = range_calls(a, d, batch)
+        with torch.no_grad():
+            for fn in calls.values():
+                fn()
+            for repeat in (1, 2):
+                for (path, setting), fn in calls.items():
+                    base = dict(part_d=d, path=path, setting=setting, repeat=repeat, n=a.n_sweep, batch=batch)
+                    if time.monotonic() - start > budget:
+                        run.record("ranges", **base, status="skipped: budget")
+                        continue
+                    run.record("ranges", **base, ms=median_ms(fn, a.rep_ms), status="ok")
+        del calls
+        free_memory()
 
 
 def precision_case(a, d: int) -> dict:
@@ -394,7 +557,9 @@ def listen(shared_rows: dict):
         key = (kernel, json.dumps(cfg, sort_keys=True), itemsize, precision)
         if key not in shared_rows:
             shared_rows[key] = dict(kernel=kernel, settings=key[1], itemsize=itemsize, mode=precision,
-                                    estimate=estimate, shared=getattr(metadata, "shared", None))
+                                    estimate=estimate, shared=getattr(metadata, "shared", None),
+                                    regs=getattr(compiled, "n_regs", None),
+                                    spills=getattr(compiled, "n_spills", None))
 
     return listener
 
@@ -408,8 +573,14 @@ def summary(rows: list[dict]) -> str:
             continue
         if r["part"] == "sweep":
             case = f"d{r['part_d']} {r['mask']} {r['setting']}"
-            result = (f"{r['ms']:.2f} ms, {r['ratio']:.2f}x flash, diff {r['rel_diff_to_default']:.1e}, "
-                      f"det {r['deterministic']}, {r['status']}") if r.get("ms") else r["status"]
+            split = (f", rows {r['rows_ms']:.2f} + cols {r['cols_ms']:.2f} ms"
+                     if r.get("rows_ms") is not None else "")
+            result = (f"{r['ms']:.2f} ms, {r['ratio']:.2f}x flash{split}, "
+                      f"diff {r['rel_diff_to_default']:.1e}, err/torch {r['err_ratio_to_torch']:.2f}, "
+                      f"det {r['deterministic']}, {r['status']}" if r.get("ms") else r["status"])
+        elif r["part"] == "ranges":
+            case = f"d{r['part_d']} forward {r['path']} {r['setting']} #{r['repeat']}"
+            result = f"{r['ms']:.3f} ms" if r.get("ms") else r["status"]
         elif r["part"] == "precision":
             case = f"d{r['part_d']} {r['mode']}"
             worst = r.get("worst_ratio_to_torch")
@@ -425,6 +596,8 @@ def summary(rows: list[dict]) -> str:
             case = (f"{r['kernel']} {r['itemsize']}B {r['mode']} {cfg['BLOCK_M']}x{cfg['BLOCK_N']}x"
                     f"{cfg['BLOCK_D']} w{cfg['num_warps']} s{cfg['num_stages']}")
             result = f"shared {r['shared'] / 1024:.0f} KiB, estimate {r['estimate'] / 1024:.0f} KiB"
+            if r.get("regs") is not None:
+                result += f", {r['regs']} registers, {r['spills']} spills"
         else:
             continue
         lines.append(f"{r['part']:<11} | {case:<38} | {result}")
@@ -434,14 +607,17 @@ def summary(rows: list[dict]) -> str:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="portable_out", help="directory for results.csv and results.jsonl")
-    p.add_argument("--parts", default="sweep,precision,first_call", help="comma-separated subset, in order")
+    p.add_argument("--parts", default="sweep,precision,first_call",
+                   help="comma-separated subset of sweep, ranges, precision, first_call, in order")
     p.add_argument("--budget-sweep", type=float, default=170.0, help="seconds")
+    p.add_argument("--budget-ranges", type=float, default=30.0, help="seconds")
     p.add_argument("--budget-precision", type=float, default=110.0, help="seconds")
     p.add_argument("--budget-first-call", type=float, default=75.0, help="seconds")
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--n-sweep", type=int, default=16384)
     p.add_argument("--n-precision", type=int, default=4096)
     p.add_argument("--n-first", type=int, default=1000)
+    p.add_argument("--n-check", type=int, default=1031, help="length of the sweep's float64 error check")
     p.add_argument("--precision-d", default="64,128", help="comma-separated head dims of the precision part")
     p.add_argument("--rep-ms", type=int, default=200, help="do_bench's timed milliseconds per measurement")
     p.add_argument("--settings", type=int, default=99, help="first SETTINGS sweep settings per head dim")
@@ -452,12 +628,13 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     args.parts = [x for x in args.parts.split(",") if x]
     args.precision_d = [int(x) for x in args.precision_d.split(",") if x]
-    unknown = set(args.parts) - {"sweep", "precision", "first_call"}
+    unknown = set(args.parts) - {"sweep", "ranges", "precision", "first_call"}
     if unknown:
-        p.error(f"--parts: unknown {sorted(unknown)}; choose from sweep, precision, first_call")
+        p.error(f"--parts: unknown {sorted(unknown)}; choose from sweep, ranges, precision, first_call")
     args.low = "bf16"
     if args.smoke:  # float16 for bfloat16: the interpreter's bfloat16 is wrong
         args.heads, args.n_sweep, args.n_precision, args.n_first, args.rep_ms = 2, 20, 17, 17, 4
+        args.n_check = 19
         args.low = "fp16"
     return args
 
@@ -475,7 +652,8 @@ def main(argv=None) -> None:
                limits=str(tiling.device_limits(torch.device(device()))))
     shared_rows: dict = {}
     tiling.launch_listener = listen(shared_rows)
-    parts = {"sweep": (part_sweep, args.budget_sweep), "precision": (part_precision, args.budget_precision),
+    parts = {"sweep": (part_sweep, args.budget_sweep), "ranges": (part_ranges, args.budget_ranges),
+             "precision": (part_precision, args.budget_precision),
              "first_call": (part_first_call, args.budget_first_call)}
     for name in args.parts:
         fn, budget = parts[name]

@@ -13,11 +13,10 @@ import argparse
 import json
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import kernels
 from kernels import tiling, triton_ops
-from kernels.bench import make_inputs, parse_mask, time_ms
+from kernels.bench import kernel_times, make_inputs, parse_mask, time_ms
 
 CANDIDATES = {
     "forward": [(128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3)],
@@ -39,18 +38,6 @@ KERNEL_NAMES = {
     "bob_cols": "attention_bob_cols_kernel",
     "jvp": "attention_jvp_kernel",
 }
-
-
-def kernel_ms(fn, name: str, reps: int = 5) -> float:
-    """Mean GPU milliseconds per call that kernels named `name` take inside fn (all launches summed)."""
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    total_us = sum(e.device_time_total for e in prof.key_averages() if e.key.startswith(name))
-    return total_us / reps / 1e3
 
 
 def compiled_resources(kernel_name: str) -> list[dict]:
@@ -102,7 +89,7 @@ def sweep_head_dim(args, d: int) -> None:
             try:
                 with tiling.override(kernel, **settings):
                     ms = time_ms(stages[stage], budget_s=0.5)
-                    own_ms = kernel_ms(stages[stage], KERNEL_NAMES[kernel])
+                    own_ms = kernel_times(stages[stage], [KERNEL_NAMES[kernel]])[KERNEL_NAMES[kernel]]
             except Exception as exc:  # a setting can exceed shared memory: report it and go on
                 ms = own_ms = f"failed: {type(exc).__name__}"
             print(json.dumps({"n": args.n, "d": d, "mask": args.mask, "kernel": kernel, **settings,

@@ -28,6 +28,7 @@ import triton.language as tl
 from ._tiles import (
     NO_SPECIALIZE,
     col_tile_needs_mask,
+    in_registers,
     key_range,
     load_key_range,
     load_tile,
@@ -42,7 +43,7 @@ from ._tiles import (
 
 @triton.jit(do_not_specialize=NO_SPECIALIZE, do_not_specialize_on_alignment=["GROUP"])
 def attention_bob_rows_kernel(
-    Q, K, V, O, DO, DQ, UQ, UK, UV, Lse, Delta, GQ, GDO, C, E,
+    Q, K, V, O, DO, DQ, UQ, UK, UV, Lse, Delta, GQ, GDO, C, E, GQP, X,
     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, sdob, sdoh, sdon,
     sdqb, sdqh, sdqn, suqb, suqh, suqn, sukb, sukh, sukn, suvb, suvh, suvn, sgb, sgh, sgn,
     N, M, HEADS_Q, GROUP, OFFSET, WINDOW, qk_scale_log2, scale, KeyRange,
@@ -50,9 +51,15 @@ def attention_bob_rows_kernel(
     HAS_UK: tl.constexpr, HAS_UV: tl.constexpr, HAS_G: tl.constexpr, WANT_GQ: tl.constexpr,
     WANT_GDO: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    PK_LATE: tl.constexpr, DO_IN_REGS: tl.constexpr, Q_IN_REGS: tl.constexpr,
 ):
     """One program: BLOCK_M query rows of one (batch, query head); writes Q̄, c, e (WANT_GQ) and
-    dŌ (WANT_GDO). Grid (cdiv(N, BLOCK_M), B * Hq). GQ and GDO share strides (fresh buffers)."""
+    dŌ (WANT_GDO). Grid (cdiv(N, BLOCK_M), B * Hq). GQ, GDO and GQP share strides (fresh buffers).
+
+    PK_LATE (two launches only): the Q̄ launch leaves sum[P K] to the dŌ launch, so that each holds
+    at most two (BLOCK_M, D) accumulators; it writes s*sum[X K + dS U_K] - c*dQ to GQP (float32
+    scratch) and x to X, which the dŌ launch completes to Q̄. DO_IN_REGS and Q_IN_REGS keep dO,
+    and q and u_q, the loop-invariant left operands of W, dP, S and G, in registers (`in_registers`)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // HEADS_Q).to(tl.int64)
@@ -73,6 +80,12 @@ def attention_bob_rows_kernel(
     do = load_tile(DO + b * sdob + h * sdoh, offs_m, offs_d, sdon, N, HEAD_DIM)
     if HAS_UQ:
         uq = load_tile(UQ + b * suqb + h * suqh, offs_m, offs_d, suqn, N, HEAD_DIM)
+    if DO_IN_REGS:
+        do = in_registers(do, offs_m, N)
+    if Q_IN_REGS:
+        q = in_registers(q, offs_m, N)
+        if HAS_UQ:
+            uq = in_registers(uq, offs_m, N)
     lse2 = lse_log2(Lse + row, offs_m, N)
     delta = tl.load(Delta + row + offs_m, mask=offs_m < N, other=0.0)
 
@@ -118,14 +131,25 @@ def attention_bob_rows_kernel(
         if WANT_GQ:
             x_sum += tl.sum(x, 1)
             acc_q = tl.dot(x.to(k.dtype), k, acc_q, input_precision=PRECISION)
+            if not PK_LATE:
+                acc_pk = tl.dot(p.to(k.dtype), k, acc_pk, input_precision=PRECISION)
+        if PK_LATE and WANT_GDO:
             acc_pk = tl.dot(p.to(k.dtype), k, acc_pk, input_precision=PRECISION)
 
     if WANT_GQ:
-        gq = acc_q * scale - (scale * x_sum)[:, None] * acc_pk
-        if HAS_G:
-            dq = load_tile(DQ + b * sdqb + h * sdqh, offs_m, offs_d, sdqn, N, HEAD_DIM).to(tl.float32)
-            gq -= c[:, None] * dq
-        store_tile(GQ + b * sgb + h * sgh, gq, offs_m, offs_d, sgn, N, HEAD_DIM)
+        if PK_LATE:
+            gq = acc_q * scale
+            if HAS_G:
+                dq = load_tile(DQ + b * sdqb + h * sdqh, offs_m, offs_d, sdqn, N, HEAD_DIM).to(tl.float32)
+                gq -= c[:, None] * dq
+            store_tile(GQP + b * sgb + h * sgh, gq, offs_m, offs_d, sgn, N, HEAD_DIM)
+            tl.store(X + row + offs_m, x_sum, mask=offs_m < N)
+        else:
+            gq = acc_q * scale - (scale * x_sum)[:, None] * acc_pk
+            if HAS_G:
+                dq = load_tile(DQ + b * sdqb + h * sdqh, offs_m, offs_d, sdqn, N, HEAD_DIM).to(tl.float32)
+                gq -= c[:, None] * dq
+            store_tile(GQ + b * sgb + h * sgh, gq, offs_m, offs_d, sgn, N, HEAD_DIM)
         tl.store(C + row + offs_m, c, mask=offs_m < N)
         tl.store(E + row + offs_m, x_sum - c * delta, mask=offs_m < N)
     if WANT_GDO:
@@ -133,6 +157,11 @@ def attention_bob_rows_kernel(
             o = load_tile(O + b * sob + h * soh, offs_m, offs_d, son, N, HEAD_DIM).to(tl.float32)
             acc_do -= c[:, None] * o
         store_tile(GDO + b * sgb + h * sgh, acc_do, offs_m, offs_d, sgn, N, HEAD_DIM)
+        if PK_LATE:
+            x_sum = tl.load(X + row + offs_m, mask=offs_m < N, other=0.0)
+            gq = load_tile(GQP + b * sgb + h * sgh, offs_m, offs_d, sgn, N, HEAD_DIM)
+            gq -= (scale * x_sum)[:, None] * acc_pk
+            store_tile(GQ + b * sgb + h * sgh, gq, offs_m, offs_d, sgn, N, HEAD_DIM)
 
 
 @triton.jit(do_not_specialize=NO_SPECIALIZE, do_not_specialize_on_alignment=["GROUP"])
@@ -145,10 +174,12 @@ def attention_bob_cols_kernel(
     HAS_UK: tl.constexpr, HAS_UV: tl.constexpr, HAS_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    KEYS_IN_REGS: tl.constexpr,
 ):
     """One program: BLOCK_N keys of one (batch, kv head), summing over its GROUP query heads;
     writes K̄ and V̄. Grid (cdiv(M, BLOCK_N), B * Hkv). GK and GV share strides. Tiles are
-    (BLOCK_N, BLOCK_M): the transposes of the rows kernel's."""
+    (BLOCK_N, BLOCK_M): the transposes of the rows kernel's. KEYS_IN_REGS keeps k, v, u_k and u_v,
+    the left operands of the five recomputed products, in registers (`in_registers`)."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // HEADS_KV).to(tl.int64)
@@ -159,12 +190,20 @@ def attention_bob_cols_kernel(
     offs_m0 = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     k = load_tile(K + b * skb + hk * skh, offs_n, offs_d, skn, M, HEAD_DIM)
+    if KEYS_IN_REGS:
+        k = in_registers(k, offs_n, M)
     if HAS_G:
         v = load_tile(V + b * svb + hk * svh, offs_n, offs_d, svn, M, HEAD_DIM)
+        if KEYS_IN_REGS:
+            v = in_registers(v, offs_n, M)
     if HAS_UK:
         uk = load_tile(UK + b * sukb + hk * sukh, offs_n, offs_d, sukn, M, HEAD_DIM)
+        if KEYS_IN_REGS:
+            uk = in_registers(uk, offs_n, M)
     if HAS_UV:
         uv = load_tile(UV + b * suvb + hk * suvh, offs_n, offs_d, suvn, M, HEAD_DIM)
+        if KEYS_IN_REGS:
+            uv = in_registers(uv, offs_n, M)
     acc_k = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     acc_v = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     lo, hi = query_range(start_n, N, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW, HAS_RANGE, BLOCK_M, BLOCK_N)

@@ -34,6 +34,15 @@ def load_tile(base, offs_rows, offs_d, stride_row, n_rows, HEAD_DIM: tl.constexp
 
 
 @triton.jit
+def in_registers(tile, offs_rows, n_rows):
+    """tile (rows, BLOCK_D), loaded by `load_tile` with the same rows, unchanged: its rows past n_rows
+    are zero already. The select keeps Triton from staging it in shared memory, so a product that
+    takes it as left operand reads it from registers (Hopper wgmma with A in registers: only the
+    right operand is read from shared memory), at the cost of the registers that hold it."""
+    return tl.where(offs_rows[:, None] < n_rows, tile, 0.0)
+
+
+@triton.jit
 def store_tile(base, value, offs_rows, offs_d, stride_row, n_rows, HEAD_DIM: tl.constexpr):
     """Store a (rows, BLOCK_D) tile, skipping rows past n_rows and columns past HEAD_DIM."""
     if offs_d.shape[0] == HEAD_DIM:

@@ -85,6 +85,22 @@ def time_ms(fn, budget_s: float = 1.0, max_reps: int = 50, warm_s: float | None 
     return float(np.median(times))
 
 
+def kernel_times(fn, names, reps: int = 5) -> dict[str, float]:
+    """Mean GPU milliseconds per call of fn spent in the kernels whose names start with each of
+    `names` (all their launches summed), from the profiler, after one warm call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    return {name: sum(e.device_time_total for e in events if e.key.startswith(name)) / reps / 1e3
+            for name in names}
+
+
 def peak_gib(fn) -> tuple[float, float]:
     """(peak GiB allocated during fn, GiB allocated before it)."""
     torch.cuda.synchronize()

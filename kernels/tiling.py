@@ -146,8 +146,18 @@ def split_bob_rows(head_dim: int) -> bool:
 
 
 BOB_KERNELS = ("bob_rows", "bob_cols")
+BOB_ROWS_VARIANTS = ("PK_LATE", "DO_IN_REGS", "Q_IN_REGS", "Q_IN_REGS_GQ")
+"""Settings of the BoB rows kernel, off unless overridden (benchmarks/portable.py measures them):
+PK_LATE, with SPLIT, moves the sum P K from the Q̄ launch to the dŌ launch (two accumulators
+each, not three and one; Q̄'s partial sums pass through a float32 buffer); DO_IN_REGS keeps dO in
+registers in the launch that computes Q̄, Q_IN_REGS keeps q and u_q in registers in the launch
+that computes dŌ, Q_IN_REGS_GQ in the one that computes Q̄ (one launch: in it, if either is set).
+Their products (W, dP; S, G) then read one operand from shared memory, not two. bob_cols has
+KEYS_IN_REGS, for k, v, u_k and u_v (S, G, dP, W)."""
 COLUMN_KERNELS = ("backward_kv", "bob_cols")
 """Kernels whose programs own BLOCK_N keys and loop over query tiles (the others own BLOCK_M rows)."""
+LAUNCH_ONLY = ("SPLIT", "WARP_SPECIALIZE", "KEYS_IN_REGS", *BOB_ROWS_VARIANTS)
+"""Settings that are not tiles: `launch` remembers a fallback's tiles without them."""
 
 
 def _operand_tiles(kernel: str, flags: dict) -> tuple[int, int, int]:
@@ -276,8 +286,8 @@ def _memory_key(kernel: str, q: torch.Tensor, precision: str) -> tuple:
 
 def choose(kernel: str, q: torch.Tensor, **flags) -> dict:
     """Launch settings for `kernel` with inputs like q (B, H, N, D): BLOCK_M, BLOCK_N, BLOCK_D,
-    num_warps, num_stages, for bob_rows SPLIT (two launches or one), for both BoB kernels
-    WARP_SPECIALIZE (off unless overridden). flags: the kernel's
+    num_warps, num_stages, for bob_rows SPLIT (two launches or one) and the `BOB_ROWS_VARIANTS`,
+    for both BoB kernels WARP_SPECIALIZE (all off unless overridden). flags: the kernel's
     compile-time flags (HAS_UQ, ..., PRECISION), which the shared-memory estimate reads."""
     precision = flags.get("PRECISION", "ieee")
     remembered = _working.get(_memory_key(kernel, q, precision))
@@ -292,6 +302,9 @@ def choose(kernel: str, q: torch.Tensor, **flags) -> dict:
                "num_stages": stages}
     if kernel == "bob_rows":
         cfg.setdefault("SPLIT", split_bob_rows(q.shape[-1]))
+        cfg.update({name: False for name in BOB_ROWS_VARIANTS})
+    if kernel == "bob_cols":
+        cfg["KEYS_IN_REGS"] = False
     if kernel in BOB_KERNELS:
         cfg.setdefault("WARP_SPECIALIZE", False)
     cfg.update(_overrides.get(kernel, {}))
@@ -327,7 +340,7 @@ def launch(kernel: str, q: torch.Tensor, run: Callable[[dict], object], **flags)
             continue
         if kernel not in _overrides:
             _working[_memory_key(kernel, q, precision)] = {
-                k: v for k, v in cfg.items() if k not in ("SPLIT", "WARP_SPECIALIZE")}
+                k: v for k, v in cfg.items() if k not in LAUNCH_ONLY}
         if launch_listener is not None:
             estimate = shared_mem_estimate(kernel, cfg, itemsize, precision, **flags)
             launch_listener(kernel, cfg, estimate, compiled, itemsize, precision)
@@ -354,10 +367,13 @@ def _fallback(kernel, cfg, err, itemsize, limit, precision, flags) -> dict:
 @contextlib.contextmanager
 def override(kernel: str, **settings):
     """Within the block, launch `kernel` with `settings` (e.g. BLOCK_M=128, num_warps=8; for bob_rows
-    also SPLIT=False, one launch; for bob_rows and bob_cols WARP_SPECIALIZE=True)."""
+    also SPLIT=False, one launch, and the `BOB_ROWS_VARIANTS`; for bob_rows and bob_cols
+    WARP_SPECIALIZE=True)."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-    known = (("BLOCK_M", "BLOCK_N", "num_warps", "num_stages") + (("SPLIT",) if kernel == "bob_rows" else ())
+    known = (("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
+             + (("SPLIT", *BOB_ROWS_VARIANTS) if kernel == "bob_rows" else ())
+             + (("KEYS_IN_REGS",) if kernel == "bob_cols" else ())
              + (("WARP_SPECIALIZE",) if kernel in BOB_KERNELS else ()))
     unknown = sorted(set(settings) - set(known))
     if unknown:

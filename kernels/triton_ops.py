@@ -153,19 +153,27 @@ def bob(q, k, v, out, lse, dout, dq, u_q, u_k, u_v, *, causal: bool, window: int
         qk_scale_log2=scale * LOG2E, scale=scale, **_mask_args(causal, window, n, m, key_range, q), **flags,
         HEAD_DIM=d, PRECISION=precision,
     )
-    rows_args = (
-        q, k, v, out, dout, dq, u_q_, u_k_, u_v_, lse, delta, grad_q, grad_dout, row_c, row_e,
-        *_strides(q), *_strides(k), *_strides(v), *_strides(out), *_strides(dout), *_strides(dq),
-        *_strides(u_q_), *_strides(u_k_), *_strides(u_v_), *_strides(grad_q),
-        n, m, heads_q, group,
-    )
-
     def run_rows(cfg):
         cfg = dict(cfg)
+        split, pk_late = cfg.pop("SPLIT"), cfg.pop("PK_LATE")
+        do_regs, q_regs, q_regs_gq = (cfg.pop(name) for name in ("DO_IN_REGS", "Q_IN_REGS", "Q_IN_REGS_GQ"))
+        pk_late = pk_late and split
         # Q̄ with c and e first, then dŌ (in one launch where the accumulators fit the registers).
-        passes = ((True, False), (False, True)) if cfg.pop("SPLIT") else ((True, True),)
+        # With PK_LATE the first launch leaves float32 partial sums of Q̄ and the row sums x behind.
+        partial = _empty(q.shape, torch.float32, q.device) if pk_late else grad_q
+        row_x = _empty((batch, heads_q, n), torch.float32, q.device) if pk_late else row_c
+        rows_args = (
+            q, k, v, out, dout, dq, u_q_, u_k_, u_v_, lse, delta, grad_q, grad_dout, row_c, row_e,
+            partial, row_x,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(out), *_strides(dout), *_strides(dq),
+            *_strides(u_q_), *_strides(u_k_), *_strides(u_v_), *_strides(grad_q),
+            n, m, heads_q, group,
+        )
+        passes = ((True, False), (False, True)) if split else ((True, True),)
         grid = (triton.cdiv(n, cfg["BLOCK_M"]), batch * heads_q)
-        compiled = [attention_bob_rows_kernel[grid](*rows_args, **common, WANT_GQ=gq, WANT_GDO=gdo, **cfg)
+        compiled = [attention_bob_rows_kernel[grid](*rows_args, **common, WANT_GQ=gq, WANT_GDO=gdo,
+                                                    PK_LATE=pk_late, DO_IN_REGS=do_regs and gq,
+                                                    Q_IN_REGS=(q_regs and gdo) or (q_regs_gq and gq), **cfg)
                     for gq, gdo in passes]
         return max(compiled, key=lambda c: getattr(getattr(c, "metadata", None), "shared", 0))
 

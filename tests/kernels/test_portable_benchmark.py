@@ -20,6 +20,12 @@ def load_script():
     return module
 
 
+def pick(portable, d, *names):
+    """The SWEEP entries of head dim d with these names, in this order."""
+    by_name = dict(portable.SWEEP[d])
+    return [(name, by_name[name]) for name in names]
+
+
 def read_rows(out):
     with open(out / "results.csv") as f:
         return list(csv.DictReader(f))
@@ -30,8 +36,9 @@ def read_rows(out):
 def test_every_part_at_toy_sizes(tmp_path, monkeypatch, capsys):
     portable = load_script()
     monkeypatch.setattr(tiling, "launch_listener", None)
-    # head dim 80: the default splits the rows kernel in two launches, the second setting fuses it
-    monkeypatch.setattr(portable, "SWEEP", {80: portable.SWEEP[128][:2]})
+    # head dim 80: the default splits the rows kernel in two launches; a rows and a cols variant
+    settings = pick(portable, 128, "default", "rows 128x32 w8, P K late, all in regs", "cols keys in regs")
+    monkeypatch.setattr(portable, "SWEEP", {80: settings})
     portable.main(["--smoke", "--out", str(tmp_path), "--families", "1", "--precision-d", "48"])
     rows = read_rows(tmp_path)
     by_part = {}
@@ -48,13 +55,13 @@ def test_every_part_at_toy_sizes(tmp_path, monkeypatch, capsys):
     assert first["status"] == "ok" and float(first["first_total_s"]) > 0
     assert by_part["shared"] and tiling.launch_listener is not None
     table = capsys.readouterr().out.split("part        | case")[-1]
-    assert "d80 causal rows fused 64x32 w8" in table and "first" in table
+    assert "d80 causal rows 128x32 w8, P K late, all in regs" in table and "first" in table
 
 
 def test_a_failing_setting_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
     portable = load_script()
     monkeypatch.setattr(tiling, "launch_listener", None)
-    settings = [("default", None, {}), ("not a tile", "bob_cols", {"BLOCK_M": 3})]
+    settings = [("default", {}), ("not a tile", {"bob_cols": {"BLOCK_M": 3}})]
     monkeypatch.setattr(portable, "SWEEP", {16: settings})
     monkeypatch.setattr(portable, "median_ms", lambda fn, rep_ms: 1.0)
     portable.main(["--smoke", "--out", str(tmp_path), "--parts", "sweep"])
@@ -63,6 +70,53 @@ def test_a_failing_setting_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch
     assert rows[0]["status"] == "ok" and rows[1]["status"].startswith("failed: ")
     meta = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()][0]
     assert meta["part"] == "meta" and "limits" in meta
+
+
+def test_variants_that_beat_the_default_are_combined_and_ranges_are_timed(tmp_path, monkeypatch):
+    """The sweep measures the best rows and cols settings together and runs full attention with the
+    winner; the ranges part times both paths with and without ranges, twice each."""
+    portable = load_script()
+    monkeypatch.setattr(tiling, "launch_listener", None)
+    settings = pick(portable, 128, "default", "rows q in regs", "cols keys in regs")
+    monkeypatch.setattr(portable, "SWEEP", {48: settings})
+    monkeypatch.setattr(portable, "median_ms", lambda fn, rep_ms: 2.0 / (1 + len(tiling._overrides)))
+    portable.main(["--smoke", "--out", str(tmp_path), "--parts", "sweep,ranges"])
+    rows = read_rows(tmp_path)
+    sweep = [(r["mask"], r["setting"]) for r in rows if r["part"] == "sweep"]
+    both = "rows q in regs + cols keys in regs"
+    assert sweep == [("causal", "default"), ("causal", "rows q in regs"), ("causal", "cols keys in regs"),
+                     ("causal", both), ("full", "default"), ("full", both)]
+    assert all(r["status"] == "ok" for r in rows if r["part"] == "sweep")
+    assert all(float(r["err_ratio_to_torch"]) < 1 for r in rows if r["part"] == "sweep")
+    ranges = [(r["part_d"], r["path"], r["setting"], r["repeat"]) for r in rows if r["part"] == "ranges"]
+    assert sorted(ranges) == sorted((d, path, setting, repeat) for d in ("128", "64")
+                                    for path in ("launcher", "flash_attention")
+                                    for setting in ("none", "full") for repeat in ("1", "2"))
+
+
+def test_causal_settings_leave_the_combination_and_full_attention_their_budget(tmp_path, monkeypatch):
+    """Each setting's first call costs 15 s of a fake clock; a 70 s budget over 4 settings (+3): the
+    causal settings may start until 40 s, the combination and full attention until 70 s."""
+    portable = load_script()
+    monkeypatch.setattr(tiling, "launch_listener", None)
+    settings = pick(portable, 128, "default", "rows q in regs", "cols keys in regs", "rows P K late")
+    monkeypatch.setattr(portable, "SWEEP", {16: settings})
+    monkeypatch.setattr(portable, "median_ms", lambda fn, rep_ms: 2.0 / (1 + len(tiling._overrides)))
+    clock = [0.0]
+
+    def first_call(fn):
+        fn()
+        clock[0] += 15.0
+        return 15.0
+
+    monkeypatch.setattr(portable, "seconds", first_call)
+    monkeypatch.setattr(portable.time, "monotonic", lambda: clock[0])
+    portable.main(["--smoke", "--out", str(tmp_path), "--parts", "sweep", "--budget-sweep", "70"])
+    rows = [(r["mask"], r["setting"], r["status"]) for r in read_rows(tmp_path) if r["part"] == "sweep"]
+    both = "rows q in regs + cols keys in regs"
+    assert rows == [("causal", "default", "ok"), ("causal", "rows q in regs", "ok"),
+                    ("causal", "cols keys in regs", "ok"), ("causal", "rows P K late", "skipped: budget"),
+                    ("causal", both, "ok"), ("full", "default", "ok"), ("full", both, "skipped: budget")]
 
 
 def test_unknown_part_is_refused():

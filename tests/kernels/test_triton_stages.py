@@ -170,6 +170,57 @@ def test_bob_with_warp_specialized_loops():
         test_stages_match_float64(Case(1, 2, 1, 37, 45, 80, causal=True), torch.float32)
 
 
+BOB_VARIANTS = {  # the launch-setting variants benchmarks/portable.py measures against the default
+    "pk_late": ("bob_rows", dict(SPLIT=True, PK_LATE=True)),
+    "all_regs": ("bob_rows", dict(SPLIT=True, PK_LATE=True, DO_IN_REGS=True, Q_IN_REGS=True,
+                                  Q_IN_REGS_GQ=True)),
+    "q_regs": ("bob_rows", dict(SPLIT=True, Q_IN_REGS=True)),
+    "one_launch_regs": ("bob_rows", dict(SPLIT=False, DO_IN_REGS=True, Q_IN_REGS=True)),
+    "wide_rows_regs": ("bob_rows", dict(SPLIT=True, BLOCK_M=128, BLOCK_N=32, PK_LATE=True, DO_IN_REGS=True,
+                                        Q_IN_REGS=True, Q_IN_REGS_GQ=True)),
+    "cols_regs": ("bob_cols", dict(KEYS_IN_REGS=True)),
+}
+
+
+@contextlib.contextmanager
+def bob_variant(name: str):
+    """Launch the BoB with variant `name` and check that its launches used the setting."""
+    kernel, settings = BOB_VARIANTS[name]
+    used = []
+    listener = tiling.launch_listener
+    tiling.launch_listener = lambda k, cfg, *rest: used.append(cfg) if k == kernel else None
+    try:
+        tiles = {"BLOCK_M": 32 if kernel == "bob_rows" else 16, "BLOCK_N": 16}
+        with tiling.override(kernel, **{**tiles, **settings}):
+            yield
+    finally:
+        tiling.launch_listener = listener
+    assert used and all(all(cfg[key] == value for key, value in settings.items()) for cfg in used)
+
+
+@pytest.mark.many_compiles
+@pytest.mark.parametrize("variant", list(BOB_VARIANTS))
+@pytest.mark.parametrize(
+    "case",
+    [Case(1, 2, 1, 37, 63, 48, causal=True), Case(1, 2, 2, 63, 37, 80),
+     Case(1, 2, 2, 37, 37, 128, causal=True)],
+    ids=lambda c: c.id,
+)
+def test_bob_launch_variants(case, variant):
+    """Each BoB launch variant against float64, outputs poisoned (odd lengths, head dims 48/80/128);
+    on CUDA in bfloat16, the dtype they are for (float32 operands would not fit the 128-row tiles)."""
+    with bob_variant(variant):
+        test_stages_match_float64(case, torch.bfloat16 if DEVICE == "cuda" else torch.float32)
+
+
+@pytest.mark.many_compiles
+@pytest.mark.parametrize("present", SUBSETS, ids="+".join)
+@pytest.mark.parametrize("variant", ["all_regs", "cols_regs"])
+def test_bob_launch_variants_with_partial_cotangents(variant, present):
+    with bob_variant(variant):
+        test_bob_with_partial_cotangents(CASES[1], present)
+
+
 def test_override_names_an_unknown_setting():
     with pytest.raises(ValueError, match=r"'SPLIT'"), tiling.override("bob_cols", SPLIT=False):
         pass
