@@ -221,14 +221,14 @@ def shared_mem_estimate(kernel: str, cfg: dict, itemsize: int, precision: str = 
       this or less (at most 8% less, but the rows kernel at D=64, 3 stages: 88 KiB against 144;
       one such row, left alone);
       float32 tf32x3 (each product three tf32 products of hi and lo parts): as tf32, but every
-      loop-invariant tile counted twice. Hypothesis, fitted to the numbers and not read from
-      Triton's code: an operand that does not change in the loop is split into hi and lo once, and
-      both parts stay in shared memory for the whole loop, while the loop's tiles keep their
-      num_stages pipeline buffers and are split in registers. This is exact for the forward, both
+      loop-invariant tile counted twice: Triton 3.6 (pass F32DotTC, read in the TTGIR on
+      2026-12-01) splits an operand that does not change in the loop into hi and lo once and keeps
+      both parts in shared memory for the whole loop, while the loop's tiles keep their num_stages
+      pipeline buffers and are split in registers. This is exact for the forward, both
       backward kernels and the BoB rows kernel at D=64 and 128 (e.g. the rows kernel at D=128,
       64 x 16, 1 stage: 224 KiB). The BoB columns kernel at D=64 (64 x 64, 1 stage) compiled one
       float32 (BLOCK_N, BLOCK_M) tile more, 192 KiB, which its estimate adds; at D=128, 16 x 32
-      (32-row programs, presumably mma.sync rather than wgmma) that over-estimates by 13%. So the
+      (32-key programs: mma.sync, not wgmma) that over-estimates by 13% (31% at 2 stages). So the
       estimate refuses on the H200, as Triton did at 024a4bc, the table's D=64 columns kernel at
       2 stages, and at D=128 the forward at 3 stages, both backward kernels at 2, the rows kernel
       at 64 x 32 and the columns kernel at 32 x 64;
