@@ -15,14 +15,17 @@ the cases it skipped; a failing case is recorded and the run goes on):
               repeat, and the first call's seconds (its compilation).
   ranges      the forward with key ranges that mask nothing against the forward without (B=4, d 128
               and 64), through the launcher and through flash_attention, alternating.
-  precision   float32 products (fp32_precision tf32x3, tf32, then ieee), N=4096, causal, head dims
-              64 and 128: relative error against float64 of out, dq, dk, dv and the four BoB outputs
-              (B=1, H=2), next to plain PyTorch float32's error (TF32 off); and the ms of forward +
-              backward and of the BoB (B=1, H=8), with bf16's for scale.
+  precision   float32 products (fp32_precision tf32x3, tf32, then ieee; --precision-modes), N=4096,
+              causal, head dims 64 and 128: relative error against float64 of out, dq, dk, dv and
+              the four BoB outputs (B=1, H=2), next to plain PyTorch float32's error (TF32 off); and
+              the ms of forward + backward and of the BoB (B=1, H=8), with bf16's for scale. With
+              --precision-settings, each float32 mode runs under each named launch setting of
+              FP32_SETTINGS (e.g. the settings of an older commit next to the default).
   first_call  one fresh process per (dtype, head dim, mask, GQA) family (4 side by side), with an
               empty Triton cache (TRITON_CACHE_DIR a new directory): seconds to the first forward,
               backward and BoB; then a call at N+1 in the (B, N, H, D) layout (other divisibility
-              of lengths and strides) and the number of kernels it compiled (0 wanted).
+              of lengths and strides) and the number of kernels it compiled (0 wanted). Float32
+              families run once per --first-call-settings name (FP32_SETTINGS).
   shared      free, from the launches above: each compiled kernel's shared memory against
               kernels.tiling.shared_mem_estimate (to recalibrate the estimate), its registers and
               spills (of a split rows kernel: the launch with the larger shared memory).
@@ -101,6 +104,36 @@ FAMILIES = [  # [dtype, head dim, mask, kv heads of 4 query heads, fp32_precisio
     ["bf16", 80, "window", 2, None],
     ["fp32", 64, "causal", 4, "tf32"],
 ]
+NO_REGISTER_CAP = {kernel: {"maxnreg": None} for kernel in tiling.KERNELS}
+FP32_SETTINGS = {  # head dim family (64: up to 64, 128: above) -> [(name, {kernel: override settings})]
+    # float32 tf32x3 at head dim 128 (docs/kernel_notes.md, 2026-12-01): the default caps registers
+    # at 255 (ptxas gave the columns kernel 32 and 8.5 KB of stack without) and runs the columns
+    # kernel's 16 x 32 tile at 2 stages; "f4c7a04" is the launch before both changes
+    128: [
+        ("default", {}),
+        ("f4c7a04", {**NO_REGISTER_CAP, "bob_cols": dict(maxnreg=None, num_stages=1)}),
+        # forward and backward without spills (sm_90: the defaults spill 232 B, 2.2 KB and 1.1 KB)
+        ("fwd+bwd 64x32", {"forward": dict(BLOCK_N=32, num_stages=3),
+                           "backward_kv": dict(BLOCK_M=32, num_stages=2),
+                           "backward_q": dict(BLOCK_N=32, num_stages=2)}),
+        ("cols 1 stage", {"bob_cols": dict(num_stages=1)}),
+        ("cols 16x16", {"bob_cols": dict(BLOCK_M=16, BLOCK_N=16)}),
+        ("cols 32x32 w8", {"bob_cols": dict(BLOCK_M=32, BLOCK_N=32, num_warps=8, num_stages=1)}),
+    ],
+    64: [
+        ("default", {}),
+        ("f4c7a04", NO_REGISTER_CAP),
+    ],
+}
+"""Launch settings of the float32 precision and first-call parts, tried in list order across head
+dims (a budget cut drops the last ones); applied to float32 inputs only."""
+
+
+def fp32_settings(d: int, name: str) -> dict | None:
+    """{kernel: settings} of FP32_SETTINGS' `name` for head dim d (None if it has no such entry)."""
+    return dict(FP32_SETTINGS[64 if d <= 64 else 128]).get(name)
+
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 KERNEL_FNS = ("attention_forward_kernel", "attention_backward_dkdv_kernel", "attention_backward_dq_kernel",
               "attention_bob_rows_kernel", "attention_bob_cols_kernel", "row_dot_kernel")
@@ -422,6 +455,17 @@ def precision_case(a, d: int) -> dict:
     return {"low": low, "ref": ref, "torch_err": torch_err, "timing": timing}
 
 
+def precision_runs(modes: list, settings: list, head_dims: list, low: str) -> list[tuple]:
+    """(mode, setting, head dim) in the order the precision part measures them: modes outermost,
+    then the settings in order, each across the head dims that have it; the low-precision mode
+    (`low`, for scale) only with the default."""
+    runs = []
+    for mode in modes:
+        for setting in (["default"] if mode == low else settings):
+            runs += [(mode, setting, d) for d in head_dims if fp32_settings(d, setting) is not None]
+    return runs
+
+
 def part_precision(run: Run, budget: float) -> None:
     """Modes outermost, the candidate defaults first: IEEE (the slowest to compile) is the baseline
     of speed only; the error criterion is plain PyTorch float32's."""
@@ -429,12 +473,15 @@ def part_precision(run: Run, budget: float) -> None:
     start = time.monotonic()
     names = ("out", "dq", "dk", "dv", "grad_q", "grad_k", "grad_v", "grad_dout")
     cases = {d: precision_case(a, d) for d in a.precision_d}
-    for mode in ("tf32x3", "tf32", "ieee", a.low):
-        for d, case in cases.items():
-            base = dict(part_d=d, mode=mode, n=a.n_precision)
-            if time.monotonic() - start > budget:
-                run.record("precision", **base, status="skipped: budget")
-                continue
+    modes = [a.low if m == "low" else m for m in a.precision_modes]
+    for mode, setting, d in precision_runs(modes, a.precision_settings, list(cases), a.low):
+        case = cases[d]
+        base = dict(part_d=d, mode=mode, n=a.n_precision, setting=setting,
+                    override=json.dumps(fp32_settings(d, setting) if mode != a.low else {}))
+        if time.monotonic() - start > budget:
+            run.record("precision", **base, status="skipped: budget")
+            continue
+        with overrides(fp32_settings(d, setting) if mode != a.low else {}):
             try:
                 inputs = [t.to(DTYPES[a.low]) for t in case["timing"]] if mode == a.low else case["timing"]
                 attention = ours("causal", None if mode == a.low else mode)
@@ -506,14 +553,14 @@ def part_first_call(run: Run, budget: float) -> None:
     the end of the budget is killed and recorded as such."""
     deadline = time.monotonic() + budget
     script = os.path.abspath(__file__)
-    pending = [[run.args.low if f[0] == "bf16" else f[0], *f[1:]] for f in FAMILIES[:run.args.families]]
+    pending = first_call_runs(run.args)
     running = []
     while pending or running:
         while pending and len(running) < run.args.first_call_jobs and deadline - time.monotonic() > 5:
             family = pending.pop(0)
             env = dict(os.environ, TRITON_CACHE_DIR=tempfile.mkdtemp(prefix="flashbob_cache_"))
-            cmd = [sys.executable, script, "--child-first-call", json.dumps(family),
-                   "--n-first", str(run.args.n_first)]
+            cmd = [sys.executable, script, "--child-first-call", json.dumps(family[:5]),
+                   "--child-setting", family[5], "--n-first", str(run.args.n_first)]
             logs = tuple(os.path.join(env["TRITON_CACHE_DIR"], name) for name in ("stdout", "stderr"))
             with open(logs[0], "w") as out, open(logs[1], "w") as err:
                 running.append((family, subprocess.Popen(cmd, env=env, stdout=out, stderr=err), logs))
@@ -539,14 +586,29 @@ def part_first_call(run: Run, budget: float) -> None:
             running.remove(item)
 
 
+def first_call_runs(args) -> list[list]:
+    """The first-call part's families (--first-call-families, else the first --families), bf16 as
+    args.low, each as [dtype, head dim, mask, kv heads, fp32_precision, setting]: float32 families
+    once per --first-call-settings name their head dim has, the others with the default."""
+    chosen = (FAMILIES[:args.families] if args.first_call_families is None
+              else [FAMILIES[i] for i in args.first_call_families])
+    runs = []
+    for f in chosen:
+        family = [args.low if f[0] == "bf16" else f[0], *f[1:]]
+        names = args.first_call_settings if family[0] == "fp32" else ["default"]
+        runs += [[*family, name] for name in names if fp32_settings(family[1], name) is not None]
+    return runs
+
+
 def read(path: str) -> str:
     with open(path) as f:
         return f.read()
 
 
 def family_fields(family: list) -> dict:
-    dtype, d, mask, h_kv, precision = family
-    return dict(dtype=dtype, part_d=d, mask=mask, gqa=f"4:{h_kv}", mode=precision or "default")
+    dtype, d, mask, h_kv, precision, setting = family
+    return dict(dtype=dtype, part_d=d, mask=mask, gqa=f"4:{h_kv}", mode=precision or "default",
+                setting=setting, override=json.dumps(fp32_settings(d, setting) if dtype == "fp32" else {}))
 
 
 def listen(shared_rows: dict):
@@ -582,13 +644,16 @@ def summary(rows: list[dict]) -> str:
             case = f"d{r['part_d']} forward {r['path']} {r['setting']} #{r['repeat']}"
             result = f"{r['ms']:.3f} ms" if r.get("ms") else r["status"]
         elif r["part"] == "precision":
-            case = f"d{r['part_d']} {r['mode']}"
+            setting = r.get("setting") or "default"
+            case = f"d{r['part_d']} {r['mode']}" + (f" {setting}" if setting != "default" else "")
             worst = r.get("worst_ratio_to_torch")
             result = (f"bob {r['bob_ms']:.2f} ms, fwd+bwd {r['fwd_bwd_ms']:.2f} ms"
                       + (f", worst err / torch fp32 {worst:.2f}" if worst is not None else "")
                       if r.get("bob_ms") else r["status"])
         elif r["part"] == "first_call":
-            case = f"{r['dtype']} d{r['part_d']} {r['mask']} {r['gqa']} {r['mode']}"
+            setting = r.get("setting") or "default"
+            case = f"{r['dtype']} d{r['part_d']} {r['mask']} {r['gqa']} {r['mode']}" + (
+                f" {setting}" if setting != "default" else "")
             result = (f"first {r['first_total_s']:.1f} s, at N+1 {r['second_total_s']:.2f} s, "
                       f"compiled {r['second_compiled']}") if r["status"] == "ok" else r["status"]
         elif r.get("shared") is not None:
@@ -619,15 +684,41 @@ def parse_args(argv=None):
     p.add_argument("--n-first", type=int, default=1000)
     p.add_argument("--n-check", type=int, default=1031, help="length of the sweep's float64 error check")
     p.add_argument("--precision-d", default="64,128", help="comma-separated head dims of the precision part")
+    p.add_argument("--precision-modes", default="tf32x3,tf32,ieee,low",
+                   help="comma-separated fp32_precision modes of the precision part, in order (low: bf16)")
+    p.add_argument("--precision-settings", default="default",
+                   help="comma-separated FP32_SETTINGS names for the precision part, in order")
+    p.add_argument("--first-call-settings", default="default",
+                   help="comma-separated FP32_SETTINGS names each float32 first-call family runs under")
+    p.add_argument("--first-call-families", default=None,
+                   help="comma-separated indices into FAMILIES (instead of the first --families)")
     p.add_argument("--rep-ms", type=int, default=200, help="do_bench's timed milliseconds per measurement")
     p.add_argument("--settings", type=int, default=99, help="first SETTINGS sweep settings per head dim")
     p.add_argument("--families", type=int, default=len(FAMILIES), help="first FAMILIES first-call families")
     p.add_argument("--first-call-jobs", type=int, default=4, help="first-call processes side by side")
     p.add_argument("--smoke", action="store_true", help="toy sizes (a test of this script; CPU or GPU)")
     p.add_argument("--child-first-call", help=argparse.SUPPRESS)
+    p.add_argument("--child-setting", default="default", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.parts = [x for x in args.parts.split(",") if x]
     args.precision_d = [int(x) for x in args.precision_d.split(",") if x]
+    args.precision_modes = [x for x in args.precision_modes.split(",") if x]
+    args.precision_settings = [x for x in args.precision_settings.split(",") if x]
+    args.first_call_settings = [x for x in args.first_call_settings.split(",") if x]
+    args.first_call_families = (None if args.first_call_families is None
+                                else [int(x) for x in args.first_call_families.split(",") if x])
+    known = {name for entries in FP32_SETTINGS.values() for name, _ in entries}
+    for option in ("precision_settings", "first_call_settings"):
+        unknown_settings = sorted(set(getattr(args, option)) - known)
+        if unknown_settings:
+            p.error(f"--{option.replace('_', '-')}: unknown {unknown_settings}; choose from {sorted(known)}")
+    bad_modes = sorted(set(args.precision_modes) - {"tf32x3", "tf32", "ieee", "low"})
+    if bad_modes:
+        p.error(f"--precision-modes: unknown {bad_modes}; choose from tf32x3, tf32, ieee, low")
+    families = args.first_call_families
+    if families is not None and not all(0 <= i < len(FAMILIES) for i in families):
+        p.error(f"--first-call-families: indices into FAMILIES must be in [0, {len(FAMILIES)}), "
+                f"got {args.first_call_families}")
     unknown = set(args.parts) - {"sweep", "ranges", "precision", "first_call"}
     if unknown:
         p.error(f"--parts: unknown {sorted(unknown)}; choose from sweep, ranges, precision, first_call")
@@ -642,7 +733,9 @@ def parse_args(argv=None):
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.child_first_call:
-        print(json.dumps(first_call_child(json.loads(args.child_first_call), args.n_first)))
+        family = json.loads(args.child_first_call)
+        with overrides(fp32_settings(family[1], args.child_setting) if family[0] == "fp32" else {}):
+            print(json.dumps(first_call_child(family, args.n_first)))
         return
     if not torch.cuda.is_available() and not args.smoke:
         raise SystemExit("benchmarks/portable.py needs a CUDA GPU (or --smoke under TRITON_INTERPRET=1)")

@@ -6,6 +6,7 @@ launch of one stage, with the launch settings kernels/tiling.py picks on that GP
     PYTHONPATH=. python benchmarks/sm90_resources.py --stage bob --d 128 \\
         --settings '{"bob_rows": {"PK_LATE": true, "DO_IN_REGS": true, "Q_IN_REGS": true}}'
     PYTHONPATH=. python benchmarks/sm90_resources.py --stage forward --d 128 --key-range
+    PYTHONPATH=. python benchmarks/sm90_resources.py --stage bob --d 128 --dtype fp32 --fp32-precision tf32x3
 
 It calls the stage's launcher in kernels.triton_ops on small CPU tensors, with every kernel launch
 replaced by a compile for the target (`triton.compile` with a `GPUTarget`: nothing runs, so no
@@ -36,7 +37,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
-from kernels import tiling, triton_ops
+from kernels import tiling, triton_ops, validation
 
 STAGE_KERNELS = {"forward": ("forward",), "backward": ("backward_kv", "backward_q"),
                  "bob": ("bob_rows", "bob_cols"), "jvp": ("jvp",)}
@@ -62,7 +63,8 @@ def describe(compiled, kwargs: dict) -> dict:
         f"{shape} {'RS' if a.startswith('R') else 'SS'}"
         for shape, a in re.findall(r"HGMMA\.(\d+x\d+x\d+)\S*\s+\S+,\s*(\S+)", sass))
     return {"kernel": compiled.metadata.name, **{k: kwargs[k] for k in FLAGS if k in kwargs},
-            **{k: kwargs.get(k) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_D", "num_warps", "num_stages")},
+            **{k: kwargs.get(k) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_D", "num_warps", "num_stages",
+                                          "maxnreg")},
             "regs": regs, "stack_bytes": stack, "spill_stores": len(re.findall(r"\bSTL\b", sass)),
             "spill_loads": len(re.findall(r"\bLDL\b", sass)), "shared_bytes": compiled.metadata.shared,
             "hgmma": dict(sorted(hgmma.items())),
@@ -106,23 +108,26 @@ def compile_only(target: GPUTarget, rows: list):
             setattr(triton_ops, name, fn)
 
 
-def device_settings(stage: str, d: int, dtype: torch.dtype, limits: tiling.DeviceLimits, given: dict):
+def device_settings(stage: str, d: int, dtype: torch.dtype, limits: tiling.DeviceLimits, given: dict,
+                    precision: str = "tf32"):
     """tiling.override for every kernel of the stage: the tiles `tiling.cuda_config` picks on a
-    device with `limits`, updated by the given {kernel: settings}."""
+    device with `limits` for products of `precision` (triton_ops' input_precision), updated by the
+    given {kernel: settings}."""
     stack = contextlib.ExitStack()
     itemsize = torch.empty((), dtype=dtype).element_size()
     for kernel in STAGE_KERNELS[stage]:
-        cfg = tiling.cuda_config(kernel, d, itemsize, limits)
+        cfg = tiling.cuda_config(kernel, d, itemsize, limits, precision)
         cfg.pop("BLOCK_D")
         stack.enter_context(tiling.override(kernel, **{**cfg, **given.get(kernel, {})}))
     return stack
 
 
-def run_stage(stage: str, d: int, dtype: torch.dtype, causal: bool, key_range: bool) -> None:
+def run_stage(stage: str, d: int, dtype: torch.dtype, causal: bool, key_range: bool,
+              fp32_precision: str | None = None) -> None:
     """Call the stage's launcher on small CPU inputs (B=1, H=2, N=M=64)."""
     gen = torch.Generator().manual_seed(0)
     q, k, v, dout, u_q, u_k, u_v = (torch.randn(1, 2, 64, d, generator=gen).to(dtype) for _ in range(7))
-    opts = dict(causal=causal, window=None, scale=d**-0.5,
+    opts = dict(causal=causal, window=None, scale=d**-0.5, fp32_precision=fp32_precision,
                 key_range=torch.tensor([[0, 64]], dtype=torch.int32) if key_range else None)
     lse = torch.zeros(1, 2, 64)
     if stage == "forward":
@@ -145,15 +150,18 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--settings", default="{}", help='JSON {kernel: tiling.override settings}')
     p.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 (H100/H200), 80")
     p.add_argument("--shared-mem", default="227K", help="the device's shared memory per block")
+    p.add_argument("--fp32-precision", choices=validation.FP32_PRECISIONS, default=None,
+                   help="products of float32 inputs (default: validation.DEFAULT_FP32_PRECISION)")
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit("benchmarks/sm90_resources.py compiles kernels: unset TRITON_INTERPRET")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     limits = tiling.DeviceLimits(tiling.parse_shared_mem(args.shared_mem), divmod(args.arch, 10))
+    precision = validation.check_fp32_precision(args.fp32_precision) if dtype == torch.float32 else "tf32"
     rows: list[dict] = []
-    with device_settings(args.stage, args.d, dtype, limits, json.loads(args.settings)), \
+    with device_settings(args.stage, args.d, dtype, limits, json.loads(args.settings), precision), \
             compile_only(GPUTarget("cuda", args.arch, 32), rows):
-        run_stage(args.stage, args.d, dtype, args.mask == "causal", args.key_range)
+        run_stage(args.stage, args.d, dtype, args.mask == "causal", args.key_range, args.fp32_precision)
     for row in rows:
         print(json.dumps(row), flush=True)
     return rows

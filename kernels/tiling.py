@@ -112,13 +112,13 @@ def impose_limits(limits: DeviceLimits):
         _imposed.pop()
 
 
-def _cuda_default(kernel: str, bd: int, itemsize: int) -> tuple[int, int, int, int]:
+def _cuda_default(kernel: str, bd: int, itemsize: int, precision: str = "ieee") -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a CUDA launch, from the H200 sweep recorded in
     docs/kernel_notes.md (bf16, N=16384, causal, head dims 64 and 128). Four warps (one warpgroup)
     win where a program owns query rows: eight split the row sums of a tile across warpgroups. Head
     dim 256 takes the smallest tiles, for the registers (`cuda_config` then fits them to the device's
     shared memory: in float32 the BoB columns kernel asked the H200 for 228 KiB at these tiles, and
-    steps down). itemsize: bytes per input element."""
+    steps down). itemsize: bytes per input element; precision: the products of float32 inputs."""
     if bd > 128:
         return (64, 32, 4, 2) if kernel == "forward" else (32, 32, 4, 1)
     if kernel == "forward":
@@ -135,7 +135,19 @@ def _cuda_default(kernel: str, bd: int, itemsize: int) -> tuple[int, int, int, i
     # split keys, which need no cross-warp row sums) measured 7% faster causal and 4% full than 64 keys
     # over one (H200, bf16, N=16384, commit 024a4bc, benchmarks/portable.py; docs/benchmarks.md).
     # Float32 operands would not fit it (not measured): they keep the one-warpgroup tile.
+    if itemsize == 4 and precision == "tf32x3":
+        # tf32x3 keeps hi and lo parts of k, v, u_k, u_v in shared memory: 64 keys need 320 KiB
+        # (sm_90 compile), so the program owns 32 keys (mma.sync, not wgmma). Two stages compiled
+        # fewer spills than one (1.7 KB of stack against 2.8 KB, 136 KiB either way; with
+        # REGISTER_CAP_FP32): docs/kernel_notes.md, 2026-12-01, float32 tf32x3 at head dim 128.
+        return (16, 32, 4, 2)
     return (32, 128, 8, 2) if itemsize == 2 else (32, 64, 4, 2)
+
+
+REGISTER_CAP_FP32 = 255
+"""`maxnreg` of every float32 tf32x3 launch on CUDA (the most registers ptxas may give a thread).
+Without it, ptxas (Triton 3.6, sm_90) gave the BoB columns kernel at head dim 128 (16 x 32 tiles,
+mma.sync) 32 registers and 8.5 KB of stack per thread; with it, 255 and 2.8 KB."""
 
 
 def split_bob_rows(head_dim: int) -> bool:
@@ -209,14 +221,14 @@ def shared_mem_estimate(kernel: str, cfg: dict, itemsize: int, precision: str = 
       this or less (at most 8% less, but the rows kernel at D=64, 3 stages: 88 KiB against 144;
       one such row, left alone);
       float32 tf32x3 (each product three tf32 products of hi and lo parts): as tf32, but every
-      loop-invariant tile counted twice. Hypothesis, fitted to the numbers and not read from
-      Triton's code: an operand that does not change in the loop is split into hi and lo once, and
-      both parts stay in shared memory for the whole loop, while the loop's tiles keep their
-      num_stages pipeline buffers and are split in registers. This is exact for the forward, both
+      loop-invariant tile counted twice: Triton 3.6 (pass F32DotTC, read in the TTGIR on
+      2026-12-01) splits an operand that does not change in the loop into hi and lo once and keeps
+      both parts in shared memory for the whole loop, while the loop's tiles keep their num_stages
+      pipeline buffers and are split in registers. This is exact for the forward, both
       backward kernels and the BoB rows kernel at D=64 and 128 (e.g. the rows kernel at D=128,
       64 x 16, 1 stage: 224 KiB). The BoB columns kernel at D=64 (64 x 64, 1 stage) compiled one
       float32 (BLOCK_N, BLOCK_M) tile more, 192 KiB, which its estimate adds; at D=128, 16 x 32
-      (32-row programs, presumably mma.sync rather than wgmma) that over-estimates by 13%. So the
+      (32-key programs: mma.sync, not wgmma) that over-estimates by 13% (31% at 2 stages). So the
       estimate refuses on the H200, as Triton did at 024a4bc, the table's D=64 columns kernel at
       2 stages, and at D=128 the forward at 3 stages, both backward kernels at 2, the rows kernel
       at 64 x 32 and the columns kernel at 32 x 64;
@@ -263,15 +275,18 @@ def cuda_config(kernel: str, head_dim: int, itemsize: int, limits: DeviceLimits,
                 **flags) -> dict:
     """Launch settings for `kernel` on a GPU with `limits`: the tuned table's, stepped down until
     `shared_mem_estimate` fits the device's shared memory (the smallest setting if none does;
-    `launch` then has the last word). BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages."""
+    `launch` then has the last word). BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages, and for
+    float32 tf32x3 maxnreg (`REGISTER_CAP_FP32`)."""
     if limits.capability < (8, 0):
         raise RuntimeError(
             f"the Triton kernels need a GPU of compute capability 8.0 or newer (Ampere, Ada, Hopper), got "
             f"{limits.capability[0]}.{limits.capability[1]}; use backend='torch'"
         )
     bd = block_d(head_dim)
-    bm, bn, warps, stages = _cuda_default(kernel, bd, itemsize)
+    bm, bn, warps, stages = _cuda_default(kernel, bd, itemsize, precision)
     cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_D": bd, "num_warps": warps, "num_stages": stages}
+    if itemsize == 4 and precision == "tf32x3":
+        cfg["maxnreg"] = REGISTER_CAP_FP32
     while shared_mem_estimate(kernel, cfg, itemsize, precision, **flags) > limits.max_shared_mem:
         smaller = step_down(kernel, cfg)
         if smaller is None:
@@ -366,12 +381,13 @@ def _fallback(kernel, cfg, err, itemsize, limit, precision, flags) -> dict:
 
 @contextlib.contextmanager
 def override(kernel: str, **settings):
-    """Within the block, launch `kernel` with `settings` (e.g. BLOCK_M=128, num_warps=8; for bob_rows
+    """Within the block, launch `kernel` with `settings` (e.g. BLOCK_M=128, num_warps=8, maxnreg=255
+    (None: ptxas's own choice); for bob_rows
     also SPLIT=False, one launch, and the `BOB_ROWS_VARIANTS`; for bob_rows and bob_cols
     WARP_SPECIALIZE=True)."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-    known = (("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
+    known = (("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "maxnreg")
              + (("SPLIT", *BOB_ROWS_VARIANTS) if kernel == "bob_rows" else ())
              + (("KEYS_IN_REGS",) if kernel == "bob_cols" else ())
              + (("WARP_SPECIALIZE",) if kernel in BOB_KERNELS else ()))

@@ -6,12 +6,14 @@ the CPU the modes are checked for plumbing and for float64 agreement of the code
 errors on a GPU are measured by benchmarks/portable.py (part "precision").
 """
 
+import contextlib
+
 import pytest
 import torch
 from kernel_cases import DEVICE, Case, autograd_reference, make_inputs, rel_err
 
 import kernels
-from kernels import triton_ops, validation
+from kernels import tiling, triton_ops, validation
 
 KERNEL_NAMES = ("attention_forward_kernel", "attention_backward_dkdv_kernel", "attention_backward_dq_kernel",
                 "attention_bob_rows_kernel", "attention_bob_cols_kernel")
@@ -72,6 +74,29 @@ def test_autograd_chain_carries_the_mode_to_the_bob(mode, seen):
     assert set(seen) == {mode} and len(seen) >= 5, seen
     for i, (got, want) in enumerate(zip(bob, ref["bob"])):
         assert rel_err(got, want) <= TOL[mode], f"bob{i}"
+
+
+def test_tf32x3_head_dim_128_settings_match_float64(monkeypatch, seen):
+    """The float32 tf32x3 launch settings at head dim 128 (registers capped at 255, the columns
+    kernel's 16 x 32 tile at 2 stages) launch every stage and match float64 at odd sizes (head dim
+    80 pads to 128); on the CPU the register cap is a launch option the interpreter ignores."""
+    case = Case(1, 2, 1, 45, 37, 80, causal=True)
+    q, k, v, dout, u_q, u_k, u_v = make_inputs(case, seed=10)
+    ref = autograd_reference(case, q, k, v, dout, u_q, u_k, u_v)
+    opts = dict(causal=True, backend="triton", fp32_precision="tf32x3")
+    with contextlib.ExitStack() as stack:
+        for kernel in ("forward", "backward_kv", "backward_q", "bob_rows"):
+            stack.enter_context(tiling.override(kernel, maxnreg=tiling.REGISTER_CAP_FP32))
+        stack.enter_context(tiling.override("bob_cols", BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=2,
+                                            maxnreg=tiling.REGISTER_CAP_FP32))
+        out, lse = kernels.attention_forward(q, k, v, **opts)
+        dq, dk, dv = kernels.attention_backward(q, k, v, out, lse, dout, **opts)
+        bob = kernels.attention_bob(q, k, v, out, lse, dout, dq, u_q, u_k, u_v, **opts)
+    assert set(seen) == {"tf32x3"} and len(seen) >= 5
+    for name, got in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
+        assert rel_err(got, ref[name]) <= TOL["tf32x3"], name
+    for i, (got, want) in enumerate(zip(bob, ref["bob"])):
+        assert rel_err(got, want) <= TOL["tf32x3"], f"bob{i}"
 
 
 def test_default_and_half_precision_inputs(seen):

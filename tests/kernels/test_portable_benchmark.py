@@ -122,3 +122,46 @@ def test_causal_settings_leave_the_combination_and_full_attention_their_budget(t
 def test_unknown_part_is_refused():
     with pytest.raises(SystemExit):
         load_script().parse_args(["--parts", "sweep,speed"])
+
+
+def test_precision_and_first_call_run_under_named_fp32_settings(tmp_path, monkeypatch):
+    """--precision-settings runs each float32 mode under each named FP32_SETTINGS entry (its
+    overrides active while it is measured; the low-precision mode only with the default), in order
+    across head dims; --first-call-families / --first-call-settings start one fresh process per
+    (family, setting) and record which."""
+    portable = load_script()
+    monkeypatch.setattr(tiling, "launch_listener", None)
+    active = []
+    monkeypatch.setattr(portable, "median_ms",
+                        lambda fn, rep_ms: active.append(dict(tiling._overrides)) or 1.0)
+    portable.main(["--smoke", "--out", str(tmp_path), "--parts", "precision,first_call",
+                   "--precision-d", "48,80", "--precision-modes", "tf32x3,low",
+                   "--precision-settings", "default,f4c7a04,cols 1 stage",
+                   "--first-call-families", "2", "--first-call-settings", "default,f4c7a04"])
+    rows = read_rows(tmp_path)
+    precision = [(r["mode"], r["setting"], r["part_d"], r["status"])
+                 for r in rows if r["part"] == "precision"]
+    assert precision == [("tf32x3", "default", "48", "ok"), ("tf32x3", "default", "80", "ok"),
+                         ("tf32x3", "f4c7a04", "48", "ok"), ("tf32x3", "f4c7a04", "80", "ok"),
+                         ("tf32x3", "cols 1 stage", "80", "ok"),
+                         ("fp16", "default", "48", "ok"), ("fp16", "default", "80", "ok")]
+    f4c7a04 = {48: portable.fp32_settings(48, "f4c7a04"), 80: portable.fp32_settings(80, "f4c7a04")}
+    assert f4c7a04[48]["bob_cols"] == {"maxnreg": None}
+    assert f4c7a04[80]["bob_cols"] == {"maxnreg": None, "num_stages": 1}
+    # two timings per row (forward + backward, BoB), each under its row's overrides
+    assert active[4:6] == [f4c7a04[48]] * 2 and active[6:8] == [f4c7a04[80]] * 2 and active[:4] == [{}] * 4
+    assert active[8] == {"bob_cols": {"num_stages": 1}} and active[10:] == [{}] * 4
+    assert all(float(r["worst_ratio_to_torch"]) < 2
+               for r in rows if r["part"] == "precision" and r["mode"] == "tf32x3")
+    first = [(r["dtype"], r["part_d"], r["setting"], r["status"]) for r in rows if r["part"] == "first_call"]
+    assert sorted(first) == [("fp32", "64", "default", "ok"), ("fp32", "64", "f4c7a04", "ok")]
+    assert {json.loads(r["override"]) == f4c7a04[48] for r in rows
+            if r["part"] == "first_call" and r["setting"] == "f4c7a04"} == {True}
+
+
+def test_unknown_fp32_settings_and_families_are_refused():
+    portable = load_script()
+    for argv in (["--precision-settings", "default,fastest"], ["--first-call-settings", "nope"],
+                 ["--precision-modes", "bf16x3"], ["--first-call-families", "99"]):
+        with pytest.raises(SystemExit):
+            portable.parse_args(argv)
