@@ -145,9 +145,12 @@ def _cuda_default(kernel: str, bd: int, itemsize: int, precision: str = "ieee") 
 
 
 REGISTER_CAP_FP32 = 255
-"""`maxnreg` of every float32 tf32x3 launch on CUDA (the most registers ptxas may give a thread).
-Without it, ptxas (Triton 3.6, sm_90) gave the BoB columns kernel at head dim 128 (16 x 32 tiles,
-mma.sync) 32 registers and 8.5 KB of stack per thread; with it, 255 and 2.8 KB."""
+"""`maxnreg` of every float32 launch on CUDA with float32-accurate products (tf32x3, ieee): the most
+registers ptxas may give a thread. Without it, ptxas (Triton 3.6, sm_90) gave the launches whose
+products are not wgmma 32 registers and kilobytes of stack per thread: the tf32x3 BoB columns
+kernel at head dim 128 (16 x 32 tiles, mma.sync) 8.5 KB (with the cap 255 registers and 2.8 KB), the
+IEEE BoB kernels 10-14 KB at head dims 64 and 128 (4.3-6.3 KB) and the IEEE dK/dV kernel at 128
+9.4 KB (3.1 KB). Plain tf32 compiles alike with and without it, so it is left to ptxas there."""
 
 
 def split_bob_rows(head_dim: int) -> bool:
@@ -276,7 +279,7 @@ def cuda_config(kernel: str, head_dim: int, itemsize: int, limits: DeviceLimits,
     """Launch settings for `kernel` on a GPU with `limits`: the tuned table's, stepped down until
     `shared_mem_estimate` fits the device's shared memory (the smallest setting if none does;
     `launch` then has the last word). BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages, and for
-    float32 tf32x3 maxnreg (`REGISTER_CAP_FP32`)."""
+    float32 tf32x3 and ieee maxnreg (`REGISTER_CAP_FP32`)."""
     if limits.capability < (8, 0):
         raise RuntimeError(
             f"the Triton kernels need a GPU of compute capability 8.0 or newer (Ampere, Ada, Hopper), got "
@@ -285,7 +288,7 @@ def cuda_config(kernel: str, head_dim: int, itemsize: int, limits: DeviceLimits,
     bd = block_d(head_dim)
     bm, bn, warps, stages = _cuda_default(kernel, bd, itemsize, precision)
     cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_D": bd, "num_warps": warps, "num_stages": stages}
-    if itemsize == 4 and precision == "tf32x3":
+    if itemsize == 4 and precision in ("tf32x3", "ieee"):
         cfg["maxnreg"] = REGISTER_CAP_FP32
     while shared_mem_estimate(kernel, cfg, itemsize, precision, **flags) > limits.max_shared_mem:
         smaller = step_down(kernel, cfg)

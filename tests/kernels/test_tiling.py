@@ -125,17 +125,18 @@ def test_estimate_meets_every_launch_the_h200_compiled():
         assert need <= slack * r["shared"], where
 
 
-def test_float32_tf32x3_caps_registers_on_every_gpu():
-    """Float32 tf32x3 launches ask ptxas for up to REGISTER_CAP_FP32 registers on every GPU family
-    (kept when a setting steps down); other dtypes and modes leave the count to ptxas."""
+def test_float32_accurate_products_cap_registers_on_every_gpu():
+    """Float32 tf32x3 and IEEE launches ask ptxas for up to REGISTER_CAP_FP32 registers on every GPU
+    family (kept when a setting steps down); 16-bit inputs and plain tf32 leave the count to ptxas."""
     for limits in tiling.PRESETS.values():
         for kernel in tiling.KERNELS:
             for d in HEAD_DIMS:
-                cfg = tiling.cuda_config(kernel, d, 4, limits, "tf32x3")
-                assert cfg["maxnreg"] == tiling.REGISTER_CAP_FP32 == 255, (kernel, d, limits)
-                smaller = tiling.step_down(kernel, cfg)
-                assert smaller is None or smaller["maxnreg"] == 255
-                for itemsize, precision in ((2, "tf32"), (4, "tf32"), (4, "ieee")):
+                for precision in ("tf32x3", "ieee"):
+                    cfg = tiling.cuda_config(kernel, d, 4, limits, precision)
+                    assert cfg["maxnreg"] == tiling.REGISTER_CAP_FP32 == 255, (kernel, d, limits, precision)
+                    smaller = tiling.step_down(kernel, cfg)
+                    assert smaller is None or smaller["maxnreg"] == 255
+                for itemsize, precision in ((2, "tf32"), (2, "ieee"), (4, "tf32")):
                     assert "maxnreg" not in tiling.cuda_config(kernel, d, itemsize, limits, precision)
 
 
