@@ -135,3 +135,12 @@ def test_diagnose_reports_a_trained_run_and_leaves_its_reading_unchanged(tiny, t
     same = torch.ones(1, 3, 4)
     torch.testing.assert_close(mean_cosine(same), torch.ones(1))
     torch.testing.assert_close(mean_cosine(torch.eye(3)[None]), torch.zeros(1))
+
+
+def test_diagnose_refuses_a_row_count_below_one(capsys):
+    from ttt.memory.diagnose import main as diagnose_main
+
+    with pytest.raises(SystemExit) as exit_info:
+        diagnose_main(["--rows", "0", "recipe=neural_memory"])
+    assert exit_info.value.code == 2
+    assert "--rows must be a positive int, got 0" in capsys.readouterr().err

@@ -193,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--rows", type=int, default=4, help="test windows read side by side (default 4)")
     args, overrides = parser.parse_known_args(argv)
+    if args.rows < 1:
+        parser.error(f"--rows must be a positive int, got {args.rows}")
     overrides = [f"resume={o.split('=', 1)[1]}" if o.startswith("run=") else o for o in overrides]
     try:
         cfg, _, checkpoint = prepare(overrides)
