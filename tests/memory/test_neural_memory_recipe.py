@@ -9,6 +9,8 @@ from tiny_configs import TINY_TEXT, TINY_TRAINER, write_tiny_corpus
 
 from recipes.neural_memory import build
 from ttt.config import load_config
+from ttt.memory.diagnose import MemoryProbe, mean_cosine, probing
+from ttt.memory.diagnose import main as diagnose_main
 from ttt.train import main
 
 TINY = [
@@ -110,12 +112,10 @@ def test_diagnose_reports_a_trained_run_and_leaves_its_reading_unchanged(tiny, t
     written and unwritten losses, and the probe changes nothing it measures."""
     import torch
 
-    from ttt.memory.diagnose import MemoryProbe, mean_cosine, probing
-    from ttt.memory.diagnose import main as diagnose
 
     assert main([*tiny("neural_memory"), "run.name=mem"]) == 0
     capsys.readouterr()
-    assert diagnose([f"run={tmp_path / 'runs' / 'mem'}", "--rows", "2"]) == 0
+    assert diagnose_main([f"run={tmp_path / 'runs' / 'mem'}", "--rows", "2"]) == 0
     report = capsys.readouterr().out
     for figure in ("keys mean cos", "gate theta", "write <dM, e> / |e|^2", "write clip factor", "next chunk"):
         assert figure in report
@@ -138,8 +138,6 @@ def test_diagnose_reports_a_trained_run_and_leaves_its_reading_unchanged(tiny, t
 
 
 def test_diagnose_refuses_a_row_count_below_one(capsys):
-    from ttt.memory.diagnose import main as diagnose_main
-
     with pytest.raises(SystemExit) as exit_info:
         diagnose_main(["--rows", "0", "recipe=neural_memory"])
     assert exit_info.value.code == 2
