@@ -107,17 +107,18 @@ FAMILIES = [  # [dtype, head dim, mask, kv heads of 4 query heads, fp32_precisio
 NO_REGISTER_CAP = {kernel: {"maxnreg": None} for kernel in tiling.KERNELS}
 FP32_SETTINGS = {  # head dim family (64: up to 64, 128: above) -> [(name, {kernel: override settings})]
     # float32 tf32x3 at head dim 128 (docs/kernel_notes.md, 2026-12-01): the default caps registers
-    # at 255 (ptxas gave the columns kernel 32 and 8.5 KB of stack without) and runs the columns
-    # kernel's 16 x 32 tile at 2 stages; "f4c7a04" is the launch before both changes
+    # at 255 and takes kernels.tiling.TF32X3_HEAD_DIM_128 (32-wide loop tiles in the forward and first
+    # backward, 16 x 16 BoB columns tiles), the fastest measured at 9466ba6; "9466ba6" is the launch
+    # before the tiles, "f4c7a04" the launch before the register cap too
     128: [
         ("default", {}),
-        ("f4c7a04", {**NO_REGISTER_CAP, "bob_cols": dict(maxnreg=None, num_stages=1)}),
-        # forward and backward without spills (sm_90: the defaults spill 232 B, 2.2 KB and 1.1 KB)
-        ("fwd+bwd 64x32", {"forward": dict(BLOCK_N=32, num_stages=3),
-                           "backward_kv": dict(BLOCK_M=32, num_stages=2),
-                           "backward_q": dict(BLOCK_N=32, num_stages=2)}),
+        ("9466ba6", {"forward": dict(BLOCK_N=64, num_stages=2), "backward_kv": dict(BLOCK_M=64, num_stages=1),
+                     "backward_q": dict(BLOCK_N=64, num_stages=1), "bob_cols": dict(BLOCK_N=32)}),
+        ("f4c7a04", {**NO_REGISTER_CAP, "forward": dict(maxnreg=None, BLOCK_N=64, num_stages=2),
+                     "backward_kv": dict(maxnreg=None, BLOCK_M=64, num_stages=1),
+                     "backward_q": dict(maxnreg=None, BLOCK_N=64, num_stages=1),
+                     "bob_cols": dict(maxnreg=None, BLOCK_N=32, num_stages=1)}),
         ("cols 1 stage", {"bob_cols": dict(num_stages=1)}),
-        ("cols 16x16", {"bob_cols": dict(BLOCK_M=16, BLOCK_N=16)}),
         ("cols 32x32 w8", {"bob_cols": dict(BLOCK_M=32, BLOCK_N=32, num_warps=8, num_stages=1)}),
     ],
     64: [

@@ -112,6 +112,21 @@ def impose_limits(limits: DeviceLimits):
         _imposed.pop()
 
 
+TF32X3_HEAD_DIM_128 = {
+    "forward": (64, 32, 4, 3),
+    "backward_kv": (32, 64, 4, 2),
+    "backward_q": (64, 32, 4, 2),
+    "bob_cols": (16, 16, 4, 2),
+}
+"""Float32 tf32x3 at head dim 128, where each loop-invariant operand keeps hi and lo parts in shared
+memory (so the 64-wide tiles of the table need more than an H200 has: 64 keys of the BoB columns
+kernel 320 KiB). Measured on the H200 at 9466ba6 (benchmarks/portable.py --parts precision, N=4096,
+causal; docs/benchmarks.md, float32): forward and first backward at 32-wide loop tiles with one
+stage more 8.4 ms against 10.6 ms for the 64-wide tiles the table stepped down to; the BoB columns
+kernel at 16 x 16 tiles 24.3 ms against 31.0 ms at 16 x 32 (190 ms before REGISTER_CAP_FP32), the
+error unchanged. The rows kernel and the JVP follow the table (stepped down by the estimate)."""
+
+
 def _cuda_default(kernel: str, bd: int, itemsize: int, precision: str = "ieee") -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a CUDA launch, from the H200 sweep recorded in
     docs/kernel_notes.md (bf16, N=16384, causal, head dims 64 and 128). Four warps (one warpgroup)
@@ -121,6 +136,8 @@ def _cuda_default(kernel: str, bd: int, itemsize: int, precision: str = "ieee") 
     steps down). itemsize: bytes per input element; precision: the products of float32 inputs."""
     if bd > 128:
         return (64, 32, 4, 2) if kernel == "forward" else (32, 32, 4, 1)
+    if itemsize == 4 and precision == "tf32x3" and bd == 128 and kernel in TF32X3_HEAD_DIM_128:
+        return TF32X3_HEAD_DIM_128[kernel]
     if kernel == "forward":
         return (64, 64, 4, 3)
     if kernel == "jvp":  # not yet swept: two (BLOCK_M, D) accumulators, one more than the dQ kernel
@@ -135,12 +152,6 @@ def _cuda_default(kernel: str, bd: int, itemsize: int, precision: str = "ieee") 
     # split keys, which need no cross-warp row sums) measured 7% faster causal and 4% full than 64 keys
     # over one (H200, bf16, N=16384, commit 024a4bc, benchmarks/portable.py; docs/benchmarks.md).
     # Float32 operands would not fit it (not measured): they keep the one-warpgroup tile.
-    if itemsize == 4 and precision == "tf32x3":
-        # tf32x3 keeps hi and lo parts of k, v, u_k, u_v in shared memory: 64 keys need 320 KiB
-        # (sm_90 compile), so the program owns 32 keys (mma.sync, not wgmma). Two stages compiled
-        # fewer spills than one (1.7 KB of stack against 2.8 KB, 136 KiB either way; with
-        # REGISTER_CAP_FP32): docs/kernel_notes.md, 2026-12-01, float32 tf32x3 at head dim 128.
-        return (16, 32, 4, 2)
     return (32, 128, 8, 2) if itemsize == 2 else (32, 64, 4, 2)
 
 

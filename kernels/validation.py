@@ -19,7 +19,8 @@ DEFAULT_FP32_PRECISION = "tf32x3"
 """The products of float32 inputs on the Triton path (fp32_precision=None). Chosen on the H200 at
 f4c7a04 (benchmarks/portable.py, docs/benchmarks.md; N=4096, causal): tf32x3's worst error is 0.99x
 (head dim 64) and 1.30x (128) plain PyTorch float32's, IEEE's 1.45x and 1.43x; tf32x3's BoB takes
-8.6 / 189 ms against IEEE's 250 / 571 ms, and its first call 11 / 18 s against 44 / 73 s."""
+8.6 / 189 ms against IEEE's 250 / 571 ms, and its first call 11 / 18 s against 44 / 73 s. At 9466ba6
+(registers capped, head dim 128 tiles of its own): BoB 8.5 / 24 ms against IEEE's 61 / 158 ms."""
 
 
 def triton_interpreter_enabled() -> bool:
@@ -120,11 +121,11 @@ def check_fp32_precision(fp32_precision: str | None) -> str:
     """The matrix products of float32 inputs on the Triton path; None means DEFAULT_FP32_PRECISION.
 
     "ieee": full float32 products on the CUDA cores (no tensor cores): about 1.4x plain PyTorch
-      float32's error, 3-30x slower than "tf32x3" and the slowest to compile (44-73 s on the H200).
+      float32's error, 4-7x slower than "tf32x3" and the slowest to compile (42-75 s on the H200).
     "tf32x3" (the default): each product as three tensor-core TF32 products (high*high + high*low +
       low*high parts of the operands): 1.0-1.3x PyTorch float32's error, about 3x the tensor-core
       work of "tf32"; at head dim 128 its BoB runs on small tiles (its split operands need more
-      shared memory), 189 ms at N=4096 on the H200.
+      shared memory), 24 ms at N=4096 on the H200 (8.5 ms at head dim 64).
     "tf32": one TF32 product (10-bit mantissas): fastest, about 1e-3 relative error.
     Ignored for float16 and bfloat16 inputs, whose products are always native tensor-core ones.
     """

@@ -77,18 +77,18 @@ def test_autograd_chain_carries_the_mode_to_the_bob(mode, seen):
 
 
 def test_tf32x3_head_dim_128_settings_match_float64(monkeypatch, seen):
-    """The float32 tf32x3 launch settings at head dim 128 (registers capped at 255, the columns
-    kernel's 16 x 32 tile at 2 stages) launch every stage and match float64 at odd sizes (head dim
-    80 pads to 128); on the CPU the register cap is a launch option the interpreter ignores."""
+    """The float32 tf32x3 launch settings at head dim 128 (registers capped at 255, the tiles of
+    tiling.TF32X3_HEAD_DIM_128) launch every stage and match float64 at odd sizes (head dim 80 pads
+    to 128); on the CPU the register cap is a launch option the interpreter ignores."""
     case = Case(1, 2, 1, 45, 37, 80, causal=True)
     q, k, v, dout, u_q, u_k, u_v = make_inputs(case, seed=10)
     ref = autograd_reference(case, q, k, v, dout, u_q, u_k, u_v)
     opts = dict(causal=True, backend="triton", fp32_precision="tf32x3")
     with contextlib.ExitStack() as stack:
-        for kernel in ("forward", "backward_kv", "backward_q", "bob_rows"):
-            stack.enter_context(tiling.override(kernel, maxnreg=tiling.REGISTER_CAP_FP32))
-        stack.enter_context(tiling.override("bob_cols", BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=2,
-                                            maxnreg=tiling.REGISTER_CAP_FP32))
+        stack.enter_context(tiling.override("bob_rows", maxnreg=tiling.REGISTER_CAP_FP32))
+        for kernel, (bm, bn, warps, stages) in tiling.TF32X3_HEAD_DIM_128.items():
+            tiles = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+            stack.enter_context(tiling.override(kernel, **tiles, maxnreg=tiling.REGISTER_CAP_FP32))
         out, lse = kernels.attention_forward(q, k, v, **opts)
         dq, dk, dv = kernels.attention_backward(q, k, v, out, lse, dout, **opts)
         bob = kernels.attention_bob(q, k, v, out, lse, dout, dq, u_q, u_k, u_v, **opts)

@@ -147,7 +147,7 @@ def test_precision_and_first_call_run_under_named_fp32_settings(tmp_path, monkey
                          ("fp16", "default", "48", "ok"), ("fp16", "default", "80", "ok")]
     f4c7a04 = {48: portable.fp32_settings(48, "f4c7a04"), 80: portable.fp32_settings(80, "f4c7a04")}
     assert f4c7a04[48]["bob_cols"] == {"maxnreg": None}
-    assert f4c7a04[80]["bob_cols"] == {"maxnreg": None, "num_stages": 1}
+    assert f4c7a04[80]["bob_cols"] == {"maxnreg": None, "BLOCK_N": 32, "num_stages": 1}
     # two timings per row (forward + backward, BoB), each under its row's overrides
     assert active[4:6] == [f4c7a04[48]] * 2 and active[6:8] == [f4c7a04[80]] * 2 and active[:4] == [{}] * 4
     assert active[8] == {"bob_cols": {"num_stages": 1}} and active[10:] == [{}] * 4

@@ -36,17 +36,12 @@ MEASURED = (DATA / "portable_h200.csv", DATA / "portable_h200_f4c7a04.csv")
 # (head dims 64 and 128: docs/data/portable_h200.csv) are where the out-of-resources fallback
 # landed on the H200 at 024a4bc after Triton refused the table's setting; head dim 256 and the JVP
 # are by the estimate only.
+# Head dim 128 has its own tf32x3 entries (TF32X3_HEAD_DIM_128), which the H200 keeps but the rows kernel's.
 H200_TF32X3_STEPS = {
-    ("forward", 128): (64, 64, 4, 2),    # measured: 3 stages refused, 2 compiled 192 KiB
     ("forward", 256): (64, 32, 4, 1),
-    ("backward_kv", 128): (64, 64, 4, 1),  # measured: 1 stage compiled 192 KiB
-    ("backward_q", 128): (64, 64, 4, 1),   # measured: 1 stage compiled 192 KiB
     ("bob_rows", 128): (64, 16, 4, 1),   # measured: 64 x 16 compiled 224 KiB
     ("bob_rows", 256): (16, 16, 4, 1),
     ("bob_cols", 64): (64, 64, 4, 1),    # measured: 1 stage compiled 192 KiB
-    # measured: 16 x 32, 1 stage compiled 136 KiB; the table now starts there at 2 stages (sm_90
-    # compile 2026-12-01: 136 KiB, fewer spills), which the estimate (178 KiB) keeps
-    ("bob_cols", 128): (16, 32, 4, 2),
     ("bob_cols", 256): (16, 16, 4, 1),
     ("jvp", 128): (64, 32, 4, 1),
     ("jvp", 256): (32, 16, 4, 1),
@@ -85,7 +80,7 @@ def test_the_h200_keeps_its_tuned_table():
             for itemsize, precision in MODES:
                 cfg = tiling.cuda_config(kernel, d, itemsize, tiling.PRESETS["h100"], precision)
                 got = (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"])
-                want = tiling._cuda_default(kernel, bd, itemsize)
+                want = tiling._cuda_default(kernel, bd, itemsize, precision)
                 if (kernel, bd, itemsize, precision) == ("bob_cols", 256, 4, "ieee"):
                     want = (16, 32, 4, 1)
                 if precision == "tf32x3" and itemsize == 4:
@@ -141,14 +136,23 @@ def test_float32_accurate_products_cap_registers_on_every_gpu():
 
 
 def test_tf32x3_columns_tile_at_head_dim_128_steps_down_on_smaller_gpus():
-    """The float32 tf32x3 BoB columns kernel at head dim 128 starts from 16 x 32 tiles at 2 stages
-    on the H200 and keeps stepping down by the estimate on an A100 and a 99 KiB card."""
+    """The float32 tf32x3 BoB columns kernel at head dim 128 starts from 16 x 16 tiles at 2 stages
+    on the H200 and an A100, and steps down to one stage on a 99 KiB card by the estimate."""
     got = {}
     for family, limits in tiling.PRESETS.items():
         cfg = tiling.cuda_config("bob_cols", 128, 4, limits, "tf32x3")
         got[family] = (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"])
         assert tiling.shared_mem_estimate("bob_cols", cfg, 4, "tf32x3") <= limits.max_shared_mem
-    assert got == {"h100": (16, 32, 4, 2), "a100": (16, 32, 4, 1), "ada": (16, 16, 4, 1)}
+    assert got == {"h100": (16, 16, 4, 2), "a100": (16, 16, 4, 2), "ada": (16, 16, 4, 1)}
+
+
+def test_tf32x3_forward_and_backward_at_head_dim_128_take_32_wide_loop_tiles_on_the_h200():
+    """The tiles measured fastest on the H200 (TF32X3_HEAD_DIM_128), which the estimate keeps there."""
+    got = {}
+    for kernel in ("forward", "backward_kv", "backward_q"):
+        cfg = tiling.cuda_config(kernel, 128, 4, tiling.PRESETS["h100"], "tf32x3")
+        got[kernel] = (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"])
+    assert got == {"forward": (64, 32, 4, 3), "backward_kv": (32, 64, 4, 2), "backward_q": (64, 32, 4, 2)}
 
 
 def test_smaller_gpus_step_down_from_the_table():
