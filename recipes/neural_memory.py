@@ -34,6 +34,11 @@ class Config(RecipeConfig):
     eval: LongContextEvalConfig = field(default_factory=LongContextEvalConfig)
     """Loss by position and passkey retrieval after training."""
 
+    @property
+    def inner_step_keys(self) -> str:
+        """The memory's write step is sized by its own keys (there is no inner section)."""
+        return "memory.max_lr (and memory.grad_clip, memory.lr_init, memory.normalize_step)"
+
 
 def build(cfg: Config) -> tuple[TTTLanguageLearner, TaskDataModule]:
     """A fresh neural-memory transformer and the text stream of `cfg`."""

@@ -203,7 +203,7 @@ def make_trainer(cfg: RecipeConfig, paths: RunPaths, timer: OuterStepTimer) -> p
         logger=loggers,
         # The guard runs before the checkpoint callback: a diverged epoch end raises before it is saved.
         callbacks=[
-            DivergenceGuard(paths.last_checkpoint),
+            DivergenceGuard(paths.last_checkpoint, cfg.inner_step_keys),
             EpochEndCheckpoint(paths.last_checkpoint),
             LogStepAlignment(),
             timer,

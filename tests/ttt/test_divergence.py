@@ -2,6 +2,7 @@
 keeps the last good checkpoint; summaries are strict JSON; bad learning rates are refused by name."""
 
 import json
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -98,3 +99,23 @@ def test_guard_names_the_passes():
     assert "inner_loss_last non-finite in 1 of 3 passes (index 1)" in message
     assert "outer_loss non-finite in 2 of 3 passes (index 1, 2)" in message
     assert "query_acc" not in message
+
+
+@pytest.mark.parametrize("recipe", ["maml_sinusoid", "ttt_e2e", "neural_memory", "sophia_lm"])
+def test_the_keys_named_for_a_diverged_run_exist_in_its_recipe(recipe):
+    """The inner-step keys a divergence names are keys of that recipe (the neural memory's write step
+    has its own; sophia_lm has no inner steps), and the guard's message carries them."""
+    cfg = load_config([f"recipe={recipe}"])
+    keys = cfg.inner_step_keys
+    named = re.findall(r"[a-z_]+\.[a-z_]+", keys or "")
+    assert (not named) == (recipe == "sophia_lm"), keys
+    for key in named:
+        section, field = key.split(".")
+        assert hasattr(getattr(cfg, section), field), key
+    with pytest.raises(DivergenceError) as error:
+        DivergenceGuard(inner_keys=keys).on_train_batch_end(
+            _trainer(**{"train/loss": torch.tensor(float("nan"))}), None, None, None, 0
+        )
+    message = str(error.value)
+    assert all(key in message for key in named) and "optim.lr" in message
+    assert ("inner.lr" in message) == (recipe in ("maml_sinusoid", "ttt_e2e"))

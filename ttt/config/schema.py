@@ -233,6 +233,14 @@ class RecipeConfig:
     """Run directory and logging."""
 
     @property
+    def inner_step_keys(self) -> str | None:
+        """The config keys that size the inner (test-time) steps, named when training diverges; None for
+        a recipe without inner steps. A recipe whose inner step has other keys overrides this."""
+        if hasattr(self, "inner"):
+            return "inner.lr (and inner.grad_clip, inner.steps)"
+        return None
+
+    @property
     def schedule_steps(self) -> int:
         """Outer steps of the lr schedule: optim.schedule_steps, else trainer.max_steps."""
         return self.trainer.max_steps if self.optim.schedule_steps is None else self.optim.schedule_steps

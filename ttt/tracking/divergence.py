@@ -27,15 +27,18 @@ class DivergenceError(RuntimeError):
     config keys most likely at fault."""
 
 
-def _likely_causes(bad: set[str]) -> str:
-    """The config keys to look at first, given which losses are non-finite."""
+DEFAULT_INNER_KEYS = "inner.lr (and inner.grad_clip, inner.steps)"
+
+
+def _likely_causes(bad: set[str], inner_keys: str | None = DEFAULT_INNER_KEYS) -> str:
+    """The config keys to look at first, given which losses are non-finite; inner_keys: the keys that
+    size the recipe's inner steps (`RecipeConfig.inner_step_keys`; None: it has none)."""
+    outer = "optim.lr (and optim.grad_clip), trainer.precision"
     if "train/inner_loss_first" in bad:
-        causes = "the initial weights are already non-finite or overflow: optim.lr, trainer.precision"
-    elif bad & {"train/inner_loss_last", "train/outer_loss"}:
-        causes = "the inner updates diverged: inner.lr (and inner.grad_clip, inner.steps), trainer.precision"
-    else:
-        causes = "inner.lr (and inner.grad_clip), optim.lr (and optim.grad_clip), trainer.precision"
-    return causes
+        return "the initial weights are already non-finite or overflow: optim.lr, trainer.precision"
+    if inner_keys and bad & {"train/inner_loss_last", "train/outer_loss"}:
+        return f"the inner updates diverged: {inner_keys}, trainer.precision"
+    return f"{inner_keys}, {outer}" if inner_keys else outer
 
 
 def _which_passes(outputs: Mapping) -> list[str]:
@@ -72,10 +75,12 @@ def _finite(value: torch.Tensor | float) -> bool:
 class DivergenceGuard(pl.Callback):
     """Raises `DivergenceError` after an outer step whose loss is NaN or infinite, and at an epoch end
     whose parameters are not all finite (so the end-of-epoch checkpoint, saved by a callback after
-    this one, keeps the last good state). `checkpoint`: that checkpoint's path, named in the error."""
+    this one, keeps the last good state). `checkpoint`: that checkpoint's path, named in the error;
+    `inner_keys`: the keys that size the recipe's inner steps (`RecipeConfig.inner_step_keys`), named
+    among the likely causes."""
 
-    def __init__(self, checkpoint: Path | None = None):
-        self.checkpoint = checkpoint
+    def __init__(self, checkpoint: Path | None = None, inner_keys: str | None = DEFAULT_INNER_KEYS):
+        self.checkpoint, self.inner_keys = checkpoint, inner_keys
 
     def _kept(self) -> str:
         if self.checkpoint is not None and Path(self.checkpoint).is_file():
@@ -104,7 +109,7 @@ class DivergenceGuard(pl.Callback):
         finite = sorted(set(metrics) - bad)
         if finite:
             lines.append("  finite: " + ", ".join(f"{n} = {float(metrics[n]):.4g}" for n in finite))
-        lines.append(f"  likely at fault: {_likely_causes(bad)}")
+        lines.append(f"  likely at fault: {_likely_causes(bad, self.inner_keys)}")
         lines.append(f"  nothing was saved from this state; {self._kept()}")
         lines.append("  trainer.detect_anomaly=true names the operation that produced the first NaN")
         raise DivergenceError("\n".join(lines))
