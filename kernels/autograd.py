@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from . import triton_ops
+from . import precompile, triton_ops
 
 
 class _Options:
@@ -71,6 +71,8 @@ class AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(q, k, v, key_range, opts: _Options):
+        if q.requires_grad or k.requires_grad or v.requires_grad:
+            precompile.second_order(q, k, v, key_range, opts.kwargs())
         return triton_ops.forward(q, k, v, key_range=key_range, **opts.kwargs())
 
     @staticmethod
