@@ -62,9 +62,10 @@ def switched_on() -> bool:
     return value == "1"
 
 
-def _applies(q: torch.Tensor) -> bool:
-    return (switched_on() and q.is_cuda and not knobs.runtime.interpret
-            and not torch.cuda.is_current_stream_capturing()
+def _compiles_here(q: torch.Tensor) -> bool:
+    """Whether launches on q's device compile kernels now: CUDA, no interpreter, no graph capture,
+    and no AsyncCompileMode already active in this thread (Triton allows one)."""
+    return (q.is_cuda and not knobs.runtime.interpret and not torch.cuda.is_current_stream_capturing()
             and _async_compile.active_mode.get() is None)
 
 
@@ -74,16 +75,24 @@ def _rows(length: int, head_dim: int) -> int:
     return 16 + length % (16 // math.gcd(head_dim, 16))
 
 
+def _stride_like(stride: int, wide: bool) -> int:
+    """A stride no larger than needed with what Triton specializes on kept: divisibility by 16 and
+    equality to 1, and with wide (a stride over one batch row, which costs no memory) 64 bits."""
+    if stride <= 16:
+        return stride
+    return (2**31 if wide and stride >= 2**31 else 16) + stride % 16
+
+
 def _stand_in_spec(t: torch.Tensor, rows: int) -> tuple:
     """(shape, strides, storage offset) of t's stand-in: t (B, H, L, D) with batch 1 and `rows` rows,
     and what Triton specializes on kept: the data pointer's alignment to 16 bytes, and each stride's
-    divisibility by 16 and equality to 1 (a stride above 16 becomes 16 + its remainder mod 16; the
-    batch stride, over one batch row, stays as it is). Strides None: contiguous (a tensor whose
-    last stride is not 1 is copied to a contiguous one by the launchers, like the stand-in's)."""
+    class (`_stride_like`; head and row strides of 2**31 or more lose their 64 bits). Strides None:
+    contiguous (a tensor whose last stride is not 1 is copied to a contiguous one by the launchers,
+    like the stand-in's)."""
     shape = (1, t.shape[1], rows, t.shape[3])
     if t.stride(3) != 1:
         return shape, None, 0
-    strides = (t.stride(0), *(s if s <= 16 else 16 + s % 16 for s in t.stride()[1:3]), 1)
+    strides = (_stride_like(t.stride(0), True), *(_stride_like(s, False) for s in t.stride()[1:3]), 1)
     return shape, strides, 0 if t.data_ptr() % 16 == 0 else 1
 
 
@@ -110,7 +119,7 @@ def second_order(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_range: t
     """`compile_ahead` once per family, where it applies (on CUDA, ...: see the module docstring);
     the call `kernels.autograd` makes before a forward whose inputs require grad. A failure to
     precompile is a warning: the kernels then compile at their first launch."""
-    if not _applies(q):
+    if not (switched_on() and _compiles_here(q)):
         return
     # tiling's overrides (benchmarks compare launch settings) change what the launchers compile
     overrides = repr(sorted((kernel, sorted(s.items())) for kernel, s in tiling._overrides.items()))
