@@ -121,10 +121,14 @@ def second_order(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_range: t
     precompile is a warning: the kernels then compile at their first launch."""
     if not (switched_on() and _compiles_here(q)):
         return
+    try:
+        specs = _stand_in_specs(q, k, v, key_range)
+    except RuntimeError:  # a tensor without a data pointer (a torch.func wrapper): launches compile
+        return
     # tiling's overrides (benchmarks compare launch settings) change what the launchers compile
     overrides = repr(sorted((kernel, sorted(s.items())) for kernel, s in tiling._overrides.items()))
-    family = (str(q.device), tuple(t.dtype for t in (q, k, v)), _stand_in_specs(q, k, v, key_range),
-              tuple(sorted(options.items())), overrides)
+    family = (str(q.device), tuple(t.dtype for t in (q, k, v)), specs, tuple(sorted(options.items())),
+              overrides)
     with _lock:
         if family in _done:
             return
