@@ -10,16 +10,16 @@ threads (docs/kernel_notes.md, 2026-12-01, "compiling a family side by side").
 requires grad, runs the three launchers once under `triton_ops.compiling_only` inside Triton's
 `AsyncCompileMode`: each launch they would make is submitted to a thread pool as a compile, with the
 settings `kernels.tiling` gives the real launch and arguments of the same Triton specialization (so
-the same cache key; `_stand_in`), and the call returns once all are compiled and in each kernel's
+the same cache key; `_stand_in_spec`), and the call returns once all are compiled and in each kernel's
 cache. The workers also build each kernel's C launcher, which Triton otherwise builds with the
 system C compiler at the first launch. Nothing runs on the GPU and no result changes: the real
 launches that follow find their kernels compiled.
 
 Stand-ins, not the real tensors, go through the launchers: batch 1 and a few rows, so they take a
-few KiB whatever the call's size. The forward's are q, k and v's (the same strides up to what Triton
-specializes on); the first backward's are the stand-in forward's outputs, with its out as dout; the
-BoB's the stand-in backward's outputs, with its dq, dk and dv as the three cotangents: contiguous
-(B, H, N, D), as autograd's usually are. A guess that does not hold (another layout of dout at head
+few KiB whatever the call's size. The forward's stand in for q, k and v (the same strides up to
+what Triton specializes on); the first backward's are the stand-in forward's outputs, with its out
+as dout; the BoB's the stand-in backward's outputs, with its dq, dk and dv as the three cotangents:
+contiguous (B, H, N, D), as autograd's usually are. A guess that does not hold (another layout of dout at head
 dims that are not multiples of 16, or some cotangents absent) only means that kernel compiles at
 its first launch, as without this module. Each family (what the stand-ins and options are made of,
 and the `tiling.override` settings in force) compiles once per process.
@@ -151,7 +151,8 @@ def compile_ahead(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_range: 
     specs = _stand_in_specs(q, k, v, key_range)
     q, k, v, key_range = (None if spec is None else _stand_in(spec, t)
                           for spec, t in zip(specs, (q, k, v, key_range)))
-    workers = max(1, min(MAX_WORKERS, os.cpu_count() or 1))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    workers = max(1, min(MAX_WORKERS, cores))
     with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix=THREAD_PREFIX) as pool, \
             CompileAhead(pool, ignore_errors=True), triton_ops.compiling_only():
         out, lse = triton_ops.forward(q, k, v, key_range=key_range, **options)
