@@ -25,7 +25,9 @@ the cases it skipped; a failing case is recorded and the run goes on):
               empty Triton cache (TRITON_CACHE_DIR a new directory): seconds to the first forward,
               backward and BoB; then a call at N+1 in the (B, N, H, D) layout (other divisibility
               of lengths and strides) and the number of kernels it compiled (0 wanted). Float32
-              families run once per --first-call-settings name (FP32_SETTINGS).
+              families run once per --first-call-settings name (FP32_SETTINGS). Each row says
+              whether kernels.precompile compiled the kernels side by side first (precompile;
+              FLASHBOB_PRECOMPILE=0 in the environment turns it off, for a before / after).
   shared      free, from the launches above: each compiled kernel's shared memory against
               kernels.tiling.shared_mem_estimate (to recalibrate the estimate), its registers and
               spills (of a split rows kernel: the launch with the larger shared memory).
@@ -49,7 +51,7 @@ import time
 import torch
 
 import kernels
-from kernels import tiling
+from kernels import precompile, tiling
 from kernels.environment import commit
 from kernels.reference import attention_naive
 
@@ -545,7 +547,7 @@ def first_call_child(family: list, n: int) -> dict:
                       f"{label}_bob_s": t3 - t2,
                       f"{label}_total_s": t3 - t0,
                       f"{label}_compiled": None if before is None else after - before})
-    return times
+    return {**times, "precompile": precompile.switched_on()}
 
 
 def part_first_call(run: Run, budget: float) -> None:

@@ -18,7 +18,9 @@ Supported
       products by fp32_precision: "tf32x3" (default), "ieee" or "tf32";
     * GPUs of compute capability 8.0 and newer (Ampere, Ada, Hopper): the tiles are fitted to the
       device's shared memory per block (kernels/tiling.py; FLASHBOB_MAX_SHARED_MEM=163K or 99K
-      imposes an A100's or an L4's on a larger GPU);
+      imposes an A100's or an L4's on a larger GPU). The first forward of a kind of call whose
+      inputs require grad compiles the kernels of forward, backward and BoB side by side on threads
+      (kernels.precompile; FLASHBOB_PRECOMPILE=0 compiles each at its first launch instead);
     * derivatives: first and second order. The second (backward-over-backward) runs the FlashBoB
       kernels: exact, O(N) extra memory, no N x N tensor. A third derivative raises an error on the
       Triton path (use backend="torch");

@@ -11,6 +11,9 @@ Forward mode: `AttentionFunction.jvp` runs the fused forward-with-tangent kernel
 Every Function has a `vmap` rule that folds the vmapped dim into the batch. Derivations and what
 each transform supports: docs/forward_mode.md.
 
+The forward, when q, k or v requires grad, first has the kernels of all three stages compiled side
+by side (`kernels.precompile.second_order`: once per family, on CUDA only).
+
 Per-batch-row key ranges travel as a tensor argument `key_range` ((B, 2) int32, or None) of every
 Function, just before the options: an integer input, never differentiated (its gradient and
 tangent are None), and folded with the batch by the vmap rule like any other tensor.
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from . import triton_ops
+from . import precompile, triton_ops
 
 
 class _Options:
@@ -71,6 +74,8 @@ class AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(q, k, v, key_range, opts: _Options):
+        if q.requires_grad or k.requires_grad or v.requires_grad:
+            precompile.second_order(q, k, v, key_range, opts.kwargs())
         return triton_ops.forward(q, k, v, key_range=key_range, **opts.kwargs())
 
     @staticmethod

@@ -7,6 +7,10 @@ head dimension (other strides are passed through, so transposed (B, N, H, D) vie
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
+
 import torch
 import triton
 
@@ -20,11 +24,40 @@ from .validation import check_fp32_precision
 
 POISON_OUTPUTS = False
 """Tests set this to fill every buffer a launcher allocates with NaN, so an unwritten element shows."""
+_COMPILING_ONLY = contextvars.ContextVar("flashbob_compiling_only", default=False)
+
+
+@contextlib.contextmanager
+def compiling_only():
+    """Within the block (this thread only), the launchers compile the kernels they would launch
+    instead of launching them: `JITFunction.warmup` takes Triton's launch path up to its cache key
+    (the same specialization and options as the launch), with the settings `tiling.choose` gives,
+    which `tiling.launch` tries first. Outputs are allocated but never written, and no setting is
+    remembered. Under Triton's AsyncCompileMode the compiles go to its executor
+    (`kernels.precompile`)."""
+    token = _COMPILING_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _COMPILING_ONLY.reset(token)
+
+
+def _start(kernel, grid):
+    """kernel[grid], the launch; under `compiling_only` its compile."""
+    return functools.partial(kernel.warmup, grid=grid) if _COMPILING_ONLY.get() else kernel[grid]
+
+
+def _launch(kernel: str, q: torch.Tensor, run, **flags) -> None:
+    """tiling.launch(kernel, q, run, **flags); under `compiling_only` run(tiling.choose(...))."""
+    if _COMPILING_ONLY.get():
+        run(tiling.choose(kernel, q, **flags))
+    else:
+        tiling.launch(kernel, q, run, **flags)
 
 
 def _empty(shape, dtype, device) -> torch.Tensor:
     buf = torch.empty(shape, dtype=dtype, device=device)
-    return buf.fill_(float("nan")) if POISON_OUTPUTS else buf
+    return buf.fill_(float("nan")) if POISON_OUTPUTS and not _COMPILING_ONLY.get() else buf
 
 
 def _unit_last(t: torch.Tensor) -> torch.Tensor:
@@ -55,7 +88,7 @@ def row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     out = _empty((batch, heads, n), torch.float32, a.device)
     block_m = 64 if a.is_cuda else 16
     grid = (triton.cdiv(n, block_m), batch * heads)
-    row_dot_kernel[grid](
+    _start(row_dot_kernel, grid)(
         a, b, out, *_strides(a), *_strides(b), n, heads,
         HEAD_DIM=d, BLOCK_M=block_m, BLOCK_D=tiling.block_d(d),
     )
@@ -76,13 +109,13 @@ def forward(q, k, v, *, causal: bool, window: int | None, scale: float, fp32_pre
     precision = _precision(q.dtype, fp32_precision)
 
     def run(cfg):
-        return attention_forward_kernel[(triton.cdiv(n, cfg["BLOCK_M"]), batch * heads_q)](
+        return _start(attention_forward_kernel, (triton.cdiv(n, cfg["BLOCK_M"]), batch * heads_q))(
             q, k, v, out, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
             n, m, heads_q, heads_q // heads_kv, qk_scale_log2=scale * LOG2E,
             **_mask_args(causal, window, n, m, key_range, q), HEAD_DIM=d, PRECISION=precision, **cfg,
         )
 
-    tiling.launch("forward", q, run, PRECISION=precision)
+    _launch("forward", q, run, PRECISION=precision)
     return out, lse
 
 
@@ -105,21 +138,21 @@ def backward(q, k, v, out, lse, dout, *, causal: bool, window: int | None, scale
     )
 
     def run_kv(cfg):
-        return attention_backward_dkdv_kernel[(triton.cdiv(m, cfg["BLOCK_N"]), batch * heads_kv)](
+        return _start(attention_backward_dkdv_kernel, (triton.cdiv(m, cfg["BLOCK_N"]), batch * heads_kv))(
             q, k, v, dout, lse, delta, dk, dv,
             *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dk),
             n, m, heads_q, heads_kv, group, **common, **cfg,
         )
 
     def run_q(cfg):
-        return attention_backward_dq_kernel[(triton.cdiv(n, cfg["BLOCK_M"]), batch * heads_q)](
+        return _start(attention_backward_dq_kernel, (triton.cdiv(n, cfg["BLOCK_M"]), batch * heads_q))(
             q, k, v, dout, lse, delta, dq,
             *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dq),
             n, m, heads_q, group, **common, **cfg,
         )
 
-    tiling.launch("backward_kv", q, run_kv, PRECISION=precision)
-    tiling.launch("backward_q", q, run_q, PRECISION=precision)
+    _launch("backward_kv", q, run_kv, PRECISION=precision)
+    _launch("backward_q", q, run_q, PRECISION=precision)
     return dq, dk, dv
 
 
@@ -171,22 +204,22 @@ def bob(q, k, v, out, lse, dout, dq, u_q, u_k, u_v, *, causal: bool, window: int
         )
         passes = ((True, False), (False, True)) if split else ((True, True),)
         grid = (triton.cdiv(n, cfg["BLOCK_M"]), batch * heads_q)
-        compiled = [attention_bob_rows_kernel[grid](*rows_args, **common, WANT_GQ=gq, WANT_GDO=gdo,
-                                                    PK_LATE=pk_late, DO_IN_REGS=do_regs and gq,
-                                                    Q_IN_REGS=(q_regs and gdo) or (q_regs_gq and gq), **cfg)
+        compiled = [_start(attention_bob_rows_kernel, grid)(
+                        *rows_args, **common, WANT_GQ=gq, WANT_GDO=gdo, PK_LATE=pk_late,
+                        DO_IN_REGS=do_regs and gq, Q_IN_REGS=(q_regs and gdo) or (q_regs_gq and gq), **cfg)
                     for gq, gdo in passes]
         return max(compiled, key=lambda c: getattr(getattr(c, "metadata", None), "shared", 0))
 
     def run_cols(cfg):
-        return attention_bob_cols_kernel[(triton.cdiv(m, cfg["BLOCK_N"]), batch * heads_kv)](
+        return _start(attention_bob_cols_kernel, (triton.cdiv(m, cfg["BLOCK_N"]), batch * heads_kv))(
             q, k, v, dout, u_q_, u_k_, u_v_, lse, delta, row_c, row_e, grad_k, grad_v,
             *_strides(q), *_strides(k), *_strides(v), *_strides(dout),
             *_strides(u_q_), *_strides(u_k_), *_strides(u_v_), *_strides(grad_k),
             n, m, heads_q, heads_kv, group, **common, **cfg,
         )
 
-    tiling.launch("bob_rows", q, run_rows, PRECISION=precision, **flags)
-    tiling.launch("bob_cols", q, run_cols, PRECISION=precision, **flags)
+    _launch("bob_rows", q, run_rows, PRECISION=precision, **flags)
+    _launch("bob_cols", q, run_cols, PRECISION=precision, **flags)
     return grad_q, grad_k, grad_v, grad_dout
 
 
@@ -210,7 +243,7 @@ def jvp(q, k, v, t_q, t_k, t_v, *, causal: bool, window: int | None, scale: floa
     precision = _precision(q.dtype, fp32_precision)
 
     def run(cfg):
-        return attention_jvp_kernel[(triton.cdiv(n, cfg["BLOCK_M"]), batch * heads_q)](
+        return _start(attention_jvp_kernel, (triton.cdiv(n, cfg["BLOCK_M"]), batch * heads_q))(
             q, k, v, t_q_, t_k_, t_v_, out, t_out, lse,
             *_strides(q), *_strides(k), *_strides(v), *_strides(t_q_), *_strides(t_k_), *_strides(t_v_),
             *_strides(out), n, m, heads_q, heads_q // heads_kv, qk_scale_log2=scale * LOG2E, scale=scale,
@@ -218,5 +251,5 @@ def jvp(q, k, v, t_q, t_k, t_v, *, causal: bool, window: int | None, scale: floa
             **cfg,
         )
 
-    tiling.launch("jvp", q, run, PRECISION=precision, **flags)
+    _launch("jvp", q, run, PRECISION=precision, **flags)
     return out, lse, t_out

@@ -155,6 +155,7 @@ def test_precision_and_first_call_run_under_named_fp32_settings(tmp_path, monkey
                for r in rows if r["part"] == "precision" and r["mode"] == "tf32x3")
     first = [(r["dtype"], r["part_d"], r["setting"], r["status"]) for r in rows if r["part"] == "first_call"]
     assert sorted(first) == [("fp32", "64", "default", "ok"), ("fp32", "64", "f4c7a04", "ok")]
+    assert {r["precompile"] for r in rows if r["part"] == "first_call"} == {"True"}  # on by default
     assert {json.loads(r["override"]) == f4c7a04[48] for r in rows
             if r["part"] == "first_call" and r["setting"] == "f4c7a04"} == {True}
 
