@@ -42,7 +42,7 @@ from kernels import tiling, triton_ops, validation
 STAGE_KERNELS = {"forward": ("forward",), "backward": ("backward_kv", "backward_q"),
                  "bob": ("bob_rows", "bob_cols"), "jvp": ("jvp",)}
 FLAGS = ("CAUSAL", "HAS_RANGE", "WANT_GQ", "WANT_GDO", "PK_LATE", "DO_IN_REGS", "Q_IN_REGS", "KEYS_IN_REGS",
-         "WARP_SPECIALIZE")
+         "WARP_SPECIALIZE", "TMA_LOADS")
 TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 

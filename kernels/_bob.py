@@ -19,7 +19,9 @@ in the transposed (key, query) orientation so that every tile is already the lef
 Absent cotangents are compile-time flags (HAS_G = HAS_UQ or HAS_UK): their products are never issued.
 WARP_SPECIALIZE asks Triton to split each kernel's key (rows) or query (columns) loop into producer
 and consumer warps (`tl.range(warp_specialize=True)`, Hopper and newer); off by default, a
-setting for benchmarks/portable.py to measure.
+setting for benchmarks/portable.py to measure. TMA_LOADS (off by default, the same kind of setting)
+reads the tiles each loop step loads through tensor descriptors (TMA on Hopper), with which Triton
+3.6 can split a loop into warps that load and warps that compute (docs/kernel_notes.md).
 """
 
 import triton
@@ -31,11 +33,13 @@ from ._tiles import (
     in_registers,
     key_range,
     load_key_range,
+    load_rows,
     load_tile,
     lse_log2,
     query_range,
     row_tile_needs_mask,
     store_tile,
+    tile_source,
     visible,
     visible_t,
 )
@@ -51,7 +55,7 @@ def attention_bob_rows_kernel(
     HAS_UK: tl.constexpr, HAS_UV: tl.constexpr, HAS_G: tl.constexpr, WANT_GQ: tl.constexpr,
     WANT_GDO: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-    PK_LATE: tl.constexpr, DO_IN_REGS: tl.constexpr, Q_IN_REGS: tl.constexpr,
+    PK_LATE: tl.constexpr, DO_IN_REGS: tl.constexpr, Q_IN_REGS: tl.constexpr, TMA_LOADS: tl.constexpr,
 ):
     """One program: BLOCK_M query rows of one (batch, query head); writes Q̄, c, e (WANT_GQ) and
     dŌ (WANT_GDO). Grid (cdiv(N, BLOCK_M), B * Hq). GQ, GDO and GQP share strides (fresh buffers).
@@ -59,7 +63,8 @@ def attention_bob_rows_kernel(
     PK_LATE (two launches only): the Q̄ launch leaves sum[P K] to the dŌ launch, so that each holds
     at most two (BLOCK_M, D) accumulators; it writes s*sum[X K + dS U_K] - c*dQ to GQP (float32
     scratch) and x to X, which the dŌ launch completes to Q̄. DO_IN_REGS and Q_IN_REGS keep dO,
-    and q and u_q, the loop-invariant left operands of W, dP, S and G, in registers (`in_registers`)."""
+    and q and u_q, the loop-invariant left operands of W, dP, S and G, in registers (`in_registers`).
+    TMA_LOADS reads the loop's tiles (k, u_v, v, u_k) through tensor descriptors (`tile_source`)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // HEADS_Q).to(tl.int64)
@@ -71,10 +76,13 @@ def attention_bob_rows_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    k_base = K + b * skb + hk * skh
-    v_base = V + b * svb + hk * svh
-    uk_base = UK + b * sukb + hk * sukh
-    uv_base = UV + b * suvb + hk * suvh
+    k_src = tile_source(K + b * skb + hk * skh, skn, M, HEAD_DIM, BLOCK_N, BLOCK_D, TMA_LOADS)
+    if HAS_G:
+        v_src = tile_source(V + b * svb + hk * svh, svn, M, HEAD_DIM, BLOCK_N, BLOCK_D, TMA_LOADS)
+    if HAS_UK:
+        uk_src = tile_source(UK + b * sukb + hk * sukh, sukn, M, HEAD_DIM, BLOCK_N, BLOCK_D, TMA_LOADS)
+    if HAS_UV:
+        uv_src = tile_source(UV + b * suvb + hk * suvh, suvn, M, HEAD_DIM, BLOCK_N, BLOCK_D, TMA_LOADS)
 
     q = load_tile(Q + b * sqb + h * sqh, offs_m, offs_d, sqn, N, HEAD_DIM)
     do = load_tile(DO + b * sdob + h * sdoh, offs_m, offs_d, sdon, N, HEAD_DIM)
@@ -97,7 +105,7 @@ def attention_bob_rows_kernel(
     lo, hi = key_range(start_m, M, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW, HAS_RANGE, BLOCK_M, BLOCK_N)
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         offs_n = start_n + offs_n0
-        k = load_tile(k_base, offs_n, offs_d, skn, M, HEAD_DIM)
+        k = load_rows(k_src, start_n, offs_n, offs_d, skn, M, HEAD_DIM, TMA_LOADS)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         p = tl.exp2(s * qk_scale_log2 - lse2[:, None])
         if row_tile_needs_mask(start_m, start_n, M, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW,
@@ -106,18 +114,18 @@ def attention_bob_rows_kernel(
             p = tl.where(seen, p, 0.0)
         x = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         if HAS_UV:
-            uv = load_tile(uv_base, offs_n, offs_d, suvn, M, HEAD_DIM)
+            uv = load_rows(uv_src, start_n, offs_n, offs_d, suvn, M, HEAD_DIM, TMA_LOADS)
             if WANT_GQ:
                 x += p * tl.dot(do, tl.trans(uv), input_precision=PRECISION)
             if WANT_GDO:
                 acc_do = tl.dot(p.to(uv.dtype), uv, acc_do, input_precision=PRECISION)
         if HAS_G:
-            v = load_tile(v_base, offs_n, offs_d, svn, M, HEAD_DIM)
+            v = load_rows(v_src, start_n, offs_n, offs_d, svn, M, HEAD_DIM, TMA_LOADS)
             g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             if HAS_UQ:
                 g = tl.dot(uq, tl.trans(k), g, input_precision=PRECISION)
             if HAS_UK:
-                uk = load_tile(uk_base, offs_n, offs_d, sukn, M, HEAD_DIM)
+                uk = load_rows(uk_src, start_n, offs_n, offs_d, sukn, M, HEAD_DIM, TMA_LOADS)
                 g = tl.dot(q, tl.trans(uk), g, input_precision=PRECISION)
             pg = p * g * scale
             c += tl.sum(pg, 1)
@@ -174,12 +182,15 @@ def attention_bob_cols_kernel(
     HAS_UK: tl.constexpr, HAS_UV: tl.constexpr, HAS_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-    KEYS_IN_REGS: tl.constexpr,
+    KEYS_IN_REGS: tl.constexpr, TMA_LOADS: tl.constexpr,
 ):
     """One program: BLOCK_N keys of one (batch, kv head), summing over its GROUP query heads;
     writes K̄ and V̄. Grid (cdiv(M, BLOCK_N), B * Hkv). GK and GV share strides. Tiles are
     (BLOCK_N, BLOCK_M): the transposes of the rows kernel's. KEYS_IN_REGS keeps k, v, u_k and u_v,
-    the left operands of the five recomputed products, in registers (`in_registers`)."""
+    the left operands of the five recomputed products, in registers (`in_registers`). TMA_LOADS reads
+    the loop's tiles (q, dO, u_q) through tensor descriptors (`tile_source`); its row vectors (lse,
+    e, delta, c) stay pointer loads (a 1-D descriptor's base, row = (b, h) * N, is 16-byte aligned
+    only when N is a multiple of 4)."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // HEADS_KV).to(tl.int64)
@@ -210,12 +221,14 @@ def attention_bob_cols_kernel(
     for g_head in range(0, GROUP):
         h = hk * GROUP + g_head
         row = (b * HEADS_Q + h) * N
-        q_base = Q + b * sqb + h * sqh
-        do_base = DO + b * sdob + h * sdoh
-        uq_base = UQ + b * suqb + h * suqh
+        q_src = tile_source(Q + b * sqb + h * sqh, sqn, N, HEAD_DIM, BLOCK_M, BLOCK_D, TMA_LOADS)
+        if HAS_UV or HAS_G:
+            do_src = tile_source(DO + b * sdob + h * sdoh, sdon, N, HEAD_DIM, BLOCK_M, BLOCK_D, TMA_LOADS)
+        if HAS_UQ:
+            uq_src = tile_source(UQ + b * suqb + h * suqh, suqn, N, HEAD_DIM, BLOCK_M, BLOCK_D, TMA_LOADS)
         for start_m in tl.range(lo, hi, BLOCK_M, warp_specialize=WARP_SPECIALIZE):
             offs_m = start_m + offs_m0
-            q = load_tile(q_base, offs_m, offs_d, sqn, N, HEAD_DIM)
+            q = load_rows(q_src, start_m, offs_m, offs_d, sqn, N, HEAD_DIM, TMA_LOADS)
             lse2 = lse_log2(Lse + row, offs_m, N)
             e = tl.load(E + row + offs_m, mask=offs_m < N, other=0.0)
             st = tl.dot(k, tl.trans(q), input_precision=PRECISION)
@@ -226,7 +239,7 @@ def attention_bob_cols_kernel(
                 pt = tl.where(seen, pt, 0.0)
             gpt = tl.zeros([BLOCK_N, BLOCK_M], tl.float32) - e[None, :]    # (G_P - e)^T
             if HAS_UV or HAS_G:
-                do = load_tile(do_base, offs_m, offs_d, sdon, N, HEAD_DIM)
+                do = load_rows(do_src, start_m, offs_m, offs_d, sdon, N, HEAD_DIM, TMA_LOADS)
             if HAS_UV:
                 gpt = tl.dot(uv, tl.trans(do), gpt, input_precision=PRECISION)
             if HAS_G:
@@ -235,7 +248,7 @@ def attention_bob_cols_kernel(
                 dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
                 gt = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
                 if HAS_UQ:
-                    uq = load_tile(uq_base, offs_m, offs_d, suqn, N, HEAD_DIM)
+                    uq = load_rows(uq_src, start_m, offs_m, offs_d, suqn, N, HEAD_DIM, TMA_LOADS)
                     gt = tl.dot(k, tl.trans(uq), gt, input_precision=PRECISION)
                 if HAS_UK:
                     gt = tl.dot(uk, tl.trans(q), gt, input_precision=PRECISION)

@@ -179,6 +179,8 @@ BOB_VARIANTS = {  # the launch-setting variants benchmarks/portable.py measures 
     "wide_rows_regs": ("bob_rows", dict(SPLIT=True, BLOCK_M=128, BLOCK_N=32, PK_LATE=True, DO_IN_REGS=True,
                                         Q_IN_REGS=True, Q_IN_REGS_GQ=True)),
     "cols_regs": ("bob_cols", dict(KEYS_IN_REGS=True)),
+    "rows_tma": ("bob_rows", dict(TMA_LOADS=True)),
+    "cols_tma": ("bob_cols", dict(TMA_LOADS=True)),
 }
 
 
@@ -215,10 +217,32 @@ def test_bob_launch_variants(case, variant):
 
 @pytest.mark.many_compiles
 @pytest.mark.parametrize("present", SUBSETS, ids="+".join)
-@pytest.mark.parametrize("variant", ["all_regs", "cols_regs"])
+@pytest.mark.parametrize("variant", ["all_regs", "cols_regs", "rows_tma", "cols_tma"])
 def test_bob_launch_variants_with_partial_cotangents(variant, present):
     with bob_variant(variant):
         test_bob_with_partial_cotangents(CASES[1], present)
+
+
+@pytest.mark.many_compiles
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_bob_with_tma_loads_in_both_kernels(dtype):
+    """TMA_LOADS in both BoB kernels at once, with warp-specialized loops (their Hopper pairing), on
+    GQA with a window, ragged lengths and head dim 80 padded to 128; in float16 too (on CUDA the
+    interpreter's float32 is replaced by bfloat16, the dtype the setting is for)."""
+    settings = dict(TMA_LOADS=True, WARP_SPECIALIZE=True)
+    dtype = torch.bfloat16 if DEVICE == "cuda" and dtype == torch.float32 else dtype
+    with tiling.override("bob_rows", **settings), tiling.override("bob_cols", **settings):
+        test_stages_match_float64(Case(1, 4, 2, 45, 37, 80, causal=True, window=20), dtype)
+
+
+def test_tma_loads_refuse_unaligned_rows():
+    """A head dim whose rows are not whole 16-byte units cannot be read by TMA: a clear error."""
+    q, k, v, dout, u_q, u_k, u_v = make_inputs(Case(1, 2, 1, 37, 37, 37))
+    out, lse = triton_ops.forward(q, k, v, causal=False, window=None, scale=1.0)
+    dq, _, _ = triton_ops.backward(q, k, v, out, lse, dout, causal=False, window=None, scale=1.0)
+    with pytest.raises(ValueError, match="bob_rows setting TMA_LOADS needs k .*multiple of 4"), \
+            tiling.override("bob_rows", TMA_LOADS=True):
+        triton_ops.bob(q, k, v, out, lse, dout, dq, u_q, u_k, u_v, causal=False, window=None, scale=1.0)
 
 
 def test_override_names_an_unknown_setting():
