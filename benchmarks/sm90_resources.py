@@ -14,7 +14,8 @@ output is computed), and prints one JSON line per compiled launch: the kernel, i
 flags, tiles, warps and stages; registers, stack bytes and the spill stores / loads in its SASS
 (`cuobjdump`, shipped with Triton); shared memory; its HGMMA instructions by shape, "SS" with both
 operands in shared memory, "RS" with the left one in registers; and whether a loop was warp-
-specialized (`ttg.warp_specialize` in the TTGIR). Needs Triton's NVIDIA backend (Triton 3.6: the
+specialized (`ttg.warp_specialize` in the TTGIR); and its TMA copies (`cp.async.bulk.tensor` in the
+PTX: tensor-descriptor loads, the TMA_LOADS setting). Needs Triton's NVIDIA backend (Triton 3.6: the
 launch path it repeats is `JITFunction.run`'s) and must run without TRITON_INTERPRET. Strides
 and alignment specialize as on the GPU for contiguous inputs; lengths do not specialize at all
 (`kernels._tiles.NO_SPECIALIZE`), so the small sizes compile what long sequences run.
@@ -68,6 +69,7 @@ def describe(compiled, kwargs: dict) -> dict:
             "regs": regs, "stack_bytes": stack, "spill_stores": len(re.findall(r"\bSTL\b", sass)),
             "spill_loads": len(re.findall(r"\bLDL\b", sass)), "shared_bytes": compiled.metadata.shared,
             "hgmma": dict(sorted(hgmma.items())),
+            "tma_copies": len(re.findall(r"cp\.async\.bulk\.tensor", compiled.asm["ptx"])),
             "warp_specialized": "ttg.warp_specialize" in compiled.asm["ttgir"]}
 
 

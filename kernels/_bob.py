@@ -35,11 +35,13 @@ from ._tiles import (
     load_key_range,
     load_rows,
     load_tile,
-    lse_log2,
+    load_vector,
     query_range,
     row_tile_needs_mask,
     store_tile,
     tile_source,
+    to_log2,
+    vector_source,
     visible,
     visible_t,
 )
@@ -67,6 +69,7 @@ def attention_bob_rows_kernel(
     TMA_LOADS reads the loop's tiles (k, u_v, v, u_k) through tensor descriptors (`tile_source`)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
+    BRANCH_FREE: tl.constexpr = TMA_LOADS and WARP_SPECIALIZE
     b = (pid_bh // HEADS_Q).to(tl.int64)
     h = (pid_bh % HEADS_Q).to(tl.int64)
     hk = h // GROUP
@@ -84,18 +87,23 @@ def attention_bob_rows_kernel(
     if HAS_UV:
         uv_src = tile_source(UV + b * suvb + hk * suvh, suvn, M, HEAD_DIM, BLOCK_N, BLOCK_D, TMA_LOADS)
 
-    q = load_tile(Q + b * sqb + h * sqh, offs_m, offs_d, sqn, N, HEAD_DIM)
-    do = load_tile(DO + b * sdob + h * sdoh, offs_m, offs_d, sdon, N, HEAD_DIM)
+    q_src = tile_source(Q + b * sqb + h * sqh, sqn, N, HEAD_DIM, BLOCK_M, BLOCK_D, TMA_LOADS)
+    q = load_rows(q_src, start_m, offs_m, offs_d, sqn, N, HEAD_DIM, TMA_LOADS)
+    do_src = tile_source(DO + b * sdob + h * sdoh, sdon, N, HEAD_DIM, BLOCK_M, BLOCK_D, TMA_LOADS)
+    do = load_rows(do_src, start_m, offs_m, offs_d, sdon, N, HEAD_DIM, TMA_LOADS)
     if HAS_UQ:
-        uq = load_tile(UQ + b * suqb + h * suqh, offs_m, offs_d, suqn, N, HEAD_DIM)
+        uq_src = tile_source(UQ + b * suqb + h * suqh, suqn, N, HEAD_DIM, BLOCK_M, BLOCK_D, TMA_LOADS)
+        uq = load_rows(uq_src, start_m, offs_m, offs_d, suqn, N, HEAD_DIM, TMA_LOADS)
     if DO_IN_REGS:
         do = in_registers(do, offs_m, N)
     if Q_IN_REGS:
         q = in_registers(q, offs_m, N)
         if HAS_UQ:
             uq = in_registers(uq, offs_m, N)
-    lse2 = lse_log2(Lse + row, offs_m, N)
-    delta = tl.load(Delta + row + offs_m, mask=offs_m < N, other=0.0)
+    lse2 = to_log2(load_vector(vector_source(Lse + row, N, BLOCK_M, BRANCH_FREE), start_m, offs_m, N,
+                               float("inf"), BRANCH_FREE))
+    delta = load_vector(vector_source(Delta + row, N, BLOCK_M, BRANCH_FREE), start_m, offs_m, N, 0.0,
+                        BRANCH_FREE)
 
     acc_q = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)    # sum X K + dS U_K
     acc_pk = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)   # sum P K
@@ -108,8 +116,11 @@ def attention_bob_rows_kernel(
         k = load_rows(k_src, start_n, offs_n, offs_d, skn, M, HEAD_DIM, TMA_LOADS)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         p = tl.exp2(s * qk_scale_log2 - lse2[:, None])
-        if row_tile_needs_mask(start_m, start_n, M, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW,
-                               HAS_RANGE, BLOCK_M, BLOCK_N):
+        if BRANCH_FREE:
+            p = tl.where(visible(offs_m, offs_n, N, M, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW, HAS_RANGE),
+                         p, 0.0)
+        elif row_tile_needs_mask(start_m, start_n, M, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW,
+                                 HAS_RANGE, BLOCK_M, BLOCK_N):
             seen = visible(offs_m, offs_n, N, M, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW, HAS_RANGE)
             p = tl.where(seen, p, 0.0)
         x = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -193,6 +204,7 @@ def attention_bob_cols_kernel(
     only when N is a multiple of 4)."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
+    BRANCH_FREE: tl.constexpr = TMA_LOADS and WARP_SPECIALIZE
     b = (pid_bh // HEADS_KV).to(tl.int64)
     hk = (pid_bh % HEADS_KV).to(tl.int64)
     KS, KE = load_key_range(KeyRange, b, M, HAS_RANGE)
@@ -200,19 +212,23 @@ def attention_bob_cols_kernel(
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_m0 = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    k = load_tile(K + b * skb + hk * skh, offs_n, offs_d, skn, M, HEAD_DIM)
+    k_src = tile_source(K + b * skb + hk * skh, skn, M, HEAD_DIM, BLOCK_N, BLOCK_D, TMA_LOADS)
+    k = load_rows(k_src, start_n, offs_n, offs_d, skn, M, HEAD_DIM, TMA_LOADS)
     if KEYS_IN_REGS:
         k = in_registers(k, offs_n, M)
     if HAS_G:
-        v = load_tile(V + b * svb + hk * svh, offs_n, offs_d, svn, M, HEAD_DIM)
+        v_src = tile_source(V + b * svb + hk * svh, svn, M, HEAD_DIM, BLOCK_N, BLOCK_D, TMA_LOADS)
+        v = load_rows(v_src, start_n, offs_n, offs_d, svn, M, HEAD_DIM, TMA_LOADS)
         if KEYS_IN_REGS:
             v = in_registers(v, offs_n, M)
     if HAS_UK:
-        uk = load_tile(UK + b * sukb + hk * sukh, offs_n, offs_d, sukn, M, HEAD_DIM)
+        uk_src = tile_source(UK + b * sukb + hk * sukh, sukn, M, HEAD_DIM, BLOCK_N, BLOCK_D, TMA_LOADS)
+        uk = load_rows(uk_src, start_n, offs_n, offs_d, sukn, M, HEAD_DIM, TMA_LOADS)
         if KEYS_IN_REGS:
             uk = in_registers(uk, offs_n, M)
     if HAS_UV:
-        uv = load_tile(UV + b * suvb + hk * suvh, offs_n, offs_d, suvn, M, HEAD_DIM)
+        uv_src = tile_source(UV + b * suvb + hk * suvh, suvn, M, HEAD_DIM, BLOCK_N, BLOCK_D, TMA_LOADS)
+        uv = load_rows(uv_src, start_n, offs_n, offs_d, suvn, M, HEAD_DIM, TMA_LOADS)
         if KEYS_IN_REGS:
             uv = in_registers(uv, offs_n, M)
     acc_k = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
@@ -226,15 +242,23 @@ def attention_bob_cols_kernel(
             do_src = tile_source(DO + b * sdob + h * sdoh, sdon, N, HEAD_DIM, BLOCK_M, BLOCK_D, TMA_LOADS)
         if HAS_UQ:
             uq_src = tile_source(UQ + b * suqb + h * suqh, suqn, N, HEAD_DIM, BLOCK_M, BLOCK_D, TMA_LOADS)
+        lse_src = vector_source(Lse + row, N, BLOCK_M, BRANCH_FREE)
+        e_src = vector_source(E + row, N, BLOCK_M, BRANCH_FREE)
+        if HAS_G:
+            delta_src = vector_source(Delta + row, N, BLOCK_M, BRANCH_FREE)
+            c_src = vector_source(C + row, N, BLOCK_M, BRANCH_FREE)
         for start_m in tl.range(lo, hi, BLOCK_M, warp_specialize=WARP_SPECIALIZE):
             offs_m = start_m + offs_m0
             q = load_rows(q_src, start_m, offs_m, offs_d, sqn, N, HEAD_DIM, TMA_LOADS)
-            lse2 = lse_log2(Lse + row, offs_m, N)
-            e = tl.load(E + row + offs_m, mask=offs_m < N, other=0.0)
+            lse2 = to_log2(load_vector(lse_src, start_m, offs_m, N, float("inf"), BRANCH_FREE))
+            e = load_vector(e_src, start_m, offs_m, N, 0.0, BRANCH_FREE)
             st = tl.dot(k, tl.trans(q), input_precision=PRECISION)
             pt = tl.exp2(st * qk_scale_log2 - lse2[None, :])
-            if col_tile_needs_mask(start_m, start_n, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW, HAS_RANGE,
-                                   BLOCK_M, BLOCK_N):
+            if BRANCH_FREE:
+                seen = visible_t(offs_n, offs_m, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW, HAS_RANGE)
+                pt = tl.where(seen & (offs_m[None, :] < N), pt, 0.0)
+            elif col_tile_needs_mask(start_m, start_n, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW, HAS_RANGE,
+                                     BLOCK_M, BLOCK_N):
                 seen = visible_t(offs_n, offs_m, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW, HAS_RANGE)
                 pt = tl.where(seen, pt, 0.0)
             gpt = tl.zeros([BLOCK_N, BLOCK_M], tl.float32) - e[None, :]    # (G_P - e)^T
@@ -243,8 +267,8 @@ def attention_bob_cols_kernel(
             if HAS_UV:
                 gpt = tl.dot(uv, tl.trans(do), gpt, input_precision=PRECISION)
             if HAS_G:
-                delta = tl.load(Delta + row + offs_m, mask=offs_m < N, other=0.0)
-                c = tl.load(C + row + offs_m, mask=offs_m < N, other=0.0)
+                delta = load_vector(delta_src, start_m, offs_m, N, 0.0, BRANCH_FREE)
+                c = load_vector(c_src, start_m, offs_m, N, 0.0, BRANCH_FREE)
                 dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
                 gt = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
                 if HAS_UQ:
