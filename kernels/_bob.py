@@ -20,8 +20,11 @@ Absent cotangents are compile-time flags (HAS_G = HAS_UQ or HAS_UK): their produ
 WARP_SPECIALIZE asks Triton to split each kernel's key (rows) or query (columns) loop into producer
 and consumer warps (`tl.range(warp_specialize=True)`, Hopper and newer); off by default, a
 setting for benchmarks/portable.py to measure. TMA_LOADS (off by default, the same kind of setting)
-reads the tiles each loop step loads through tensor descriptors (TMA on Hopper), with which Triton
-3.6 can split a loop into warps that load and warps that compute (docs/kernel_notes.md).
+reads every (rows, BLOCK_D) operand tile through a tensor descriptor (TMA on Hopper). With both on
+(BRANCH_FREE) the float32 row vectors are descriptor loads too (the epilogue's loads stay pointer
+loads) and every tile is masked without a branch: Triton 3.6's Hopper pass partitions nothing in a
+function with a branch that has an else part, and fails on a pointer load that its producer would
+issue (docs/kernel_notes.md, TMA).
 """
 
 import triton
@@ -66,7 +69,7 @@ def attention_bob_rows_kernel(
     at most two (BLOCK_M, D) accumulators; it writes s*sum[X K + dS U_K] - c*dQ to GQP (float32
     scratch) and x to X, which the dŌ launch completes to Q̄. DO_IN_REGS and Q_IN_REGS keep dO,
     and q and u_q, the loop-invariant left operands of W, dP, S and G, in registers (`in_registers`).
-    TMA_LOADS reads the loop's tiles (k, u_v, v, u_k) through tensor descriptors (`tile_source`)."""
+    TMA_LOADS reads q, dO, u_q and the loop's k, u_v, v, u_k through tensor descriptors (`tile_source`)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     BRANCH_FREE: tl.constexpr = TMA_LOADS and WARP_SPECIALIZE
@@ -199,9 +202,9 @@ def attention_bob_cols_kernel(
     writes K̄ and V̄. Grid (cdiv(M, BLOCK_N), B * Hkv). GK and GV share strides. Tiles are
     (BLOCK_N, BLOCK_M): the transposes of the rows kernel's. KEYS_IN_REGS keeps k, v, u_k and u_v,
     the left operands of the five recomputed products, in registers (`in_registers`). TMA_LOADS reads
-    the loop's tiles (q, dO, u_q) through tensor descriptors (`tile_source`); its row vectors (lse,
-    e, delta, c) stay pointer loads (a 1-D descriptor's base, row = (b, h) * N, is 16-byte aligned
-    only when N is a multiple of 4)."""
+    k, v, u_k, u_v and the loop's q, dO, u_q through tensor descriptors (`tile_source`); the row
+    vectors (lse, e, delta, c) only with WARP_SPECIALIZE too (BRANCH_FREE: a 1-D descriptor's base,
+    row = (b, h) * N, is 16-byte aligned only when N is a multiple of 4)."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     BRANCH_FREE: tl.constexpr = TMA_LOADS and WARP_SPECIALIZE
