@@ -399,7 +399,7 @@ def override(kernel: str, **settings):
     """Within the block, launch `kernel` with `settings` (e.g. BLOCK_M=128, num_warps=8, maxnreg=255
     (None: ptxas's own choice); for bob_rows
     also SPLIT=False, one launch, and the `BOB_ROWS_VARIANTS`; for bob_rows and bob_cols
-    WARP_SPECIALIZE=True and TMA_LOADS=True, the loop's tiles through tensor descriptors)."""
+    WARP_SPECIALIZE=True and TMA_LOADS=True, the operand tiles through tensor descriptors)."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     known = (("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "maxnreg")
