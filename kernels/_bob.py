@@ -19,7 +19,12 @@ in the transposed (key, query) orientation so that every tile is already the lef
 Absent cotangents are compile-time flags (HAS_G = HAS_UQ or HAS_UK): their products are never issued.
 WARP_SPECIALIZE asks Triton to split each kernel's key (rows) or query (columns) loop into producer
 and consumer warps (`tl.range(warp_specialize=True)`, Hopper and newer); off by default, a
-setting for benchmarks/portable.py to measure.
+setting for benchmarks/portable.py to measure. TMA_LOADS (off by default, the same kind of setting)
+reads every (rows, BLOCK_D) operand tile through a tensor descriptor (TMA on Hopper). With both on
+(BRANCH_FREE) the float32 row vectors are descriptor loads too (the epilogue's loads stay pointer
+loads) and every tile is masked without a branch: Triton 3.6's Hopper pass partitions nothing in a
+function with a branch that has an else part, and fails on a pointer load that its producer would
+issue (docs/kernel_notes.md, TMA).
 """
 
 import triton
@@ -31,11 +36,15 @@ from ._tiles import (
     in_registers,
     key_range,
     load_key_range,
+    load_rows,
     load_tile,
-    lse_log2,
+    load_vector,
     query_range,
     row_tile_needs_mask,
     store_tile,
+    tile_source,
+    to_log2,
+    vector_source,
     visible,
     visible_t,
 )
@@ -51,7 +60,7 @@ def attention_bob_rows_kernel(
     HAS_UK: tl.constexpr, HAS_UV: tl.constexpr, HAS_G: tl.constexpr, WANT_GQ: tl.constexpr,
     WANT_GDO: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-    PK_LATE: tl.constexpr, DO_IN_REGS: tl.constexpr, Q_IN_REGS: tl.constexpr,
+    PK_LATE: tl.constexpr, DO_IN_REGS: tl.constexpr, Q_IN_REGS: tl.constexpr, TMA_LOADS: tl.constexpr,
 ):
     """One program: BLOCK_M query rows of one (batch, query head); writes Q̄, c, e (WANT_GQ) and
     dŌ (WANT_GDO). Grid (cdiv(N, BLOCK_M), B * Hq). GQ, GDO and GQP share strides (fresh buffers).
@@ -59,9 +68,11 @@ def attention_bob_rows_kernel(
     PK_LATE (two launches only): the Q̄ launch leaves sum[P K] to the dŌ launch, so that each holds
     at most two (BLOCK_M, D) accumulators; it writes s*sum[X K + dS U_K] - c*dQ to GQP (float32
     scratch) and x to X, which the dŌ launch completes to Q̄. DO_IN_REGS and Q_IN_REGS keep dO,
-    and q and u_q, the loop-invariant left operands of W, dP, S and G, in registers (`in_registers`)."""
+    and q and u_q, the loop-invariant left operands of W, dP, S and G, in registers (`in_registers`).
+    TMA_LOADS reads q, dO, u_q and the loop's k, u_v, v, u_k through tensor descriptors (`tile_source`)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
+    BRANCH_FREE: tl.constexpr = TMA_LOADS and WARP_SPECIALIZE
     b = (pid_bh // HEADS_Q).to(tl.int64)
     h = (pid_bh % HEADS_Q).to(tl.int64)
     hk = h // GROUP
@@ -71,23 +82,31 @@ def attention_bob_rows_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    k_base = K + b * skb + hk * skh
-    v_base = V + b * svb + hk * svh
-    uk_base = UK + b * sukb + hk * sukh
-    uv_base = UV + b * suvb + hk * suvh
+    k_src = tile_source(K + b * skb + hk * skh, skn, M, HEAD_DIM, BLOCK_N, BLOCK_D, TMA_LOADS)
+    if HAS_G:
+        v_src = tile_source(V + b * svb + hk * svh, svn, M, HEAD_DIM, BLOCK_N, BLOCK_D, TMA_LOADS)
+    if HAS_UK:
+        uk_src = tile_source(UK + b * sukb + hk * sukh, sukn, M, HEAD_DIM, BLOCK_N, BLOCK_D, TMA_LOADS)
+    if HAS_UV:
+        uv_src = tile_source(UV + b * suvb + hk * suvh, suvn, M, HEAD_DIM, BLOCK_N, BLOCK_D, TMA_LOADS)
 
-    q = load_tile(Q + b * sqb + h * sqh, offs_m, offs_d, sqn, N, HEAD_DIM)
-    do = load_tile(DO + b * sdob + h * sdoh, offs_m, offs_d, sdon, N, HEAD_DIM)
+    q_src = tile_source(Q + b * sqb + h * sqh, sqn, N, HEAD_DIM, BLOCK_M, BLOCK_D, TMA_LOADS)
+    q = load_rows(q_src, start_m, offs_m, offs_d, sqn, N, HEAD_DIM, TMA_LOADS)
+    do_src = tile_source(DO + b * sdob + h * sdoh, sdon, N, HEAD_DIM, BLOCK_M, BLOCK_D, TMA_LOADS)
+    do = load_rows(do_src, start_m, offs_m, offs_d, sdon, N, HEAD_DIM, TMA_LOADS)
     if HAS_UQ:
-        uq = load_tile(UQ + b * suqb + h * suqh, offs_m, offs_d, suqn, N, HEAD_DIM)
+        uq_src = tile_source(UQ + b * suqb + h * suqh, suqn, N, HEAD_DIM, BLOCK_M, BLOCK_D, TMA_LOADS)
+        uq = load_rows(uq_src, start_m, offs_m, offs_d, suqn, N, HEAD_DIM, TMA_LOADS)
     if DO_IN_REGS:
         do = in_registers(do, offs_m, N)
     if Q_IN_REGS:
         q = in_registers(q, offs_m, N)
         if HAS_UQ:
             uq = in_registers(uq, offs_m, N)
-    lse2 = lse_log2(Lse + row, offs_m, N)
-    delta = tl.load(Delta + row + offs_m, mask=offs_m < N, other=0.0)
+    lse2 = to_log2(load_vector(vector_source(Lse + row, N, BLOCK_M, BRANCH_FREE), start_m, offs_m, N,
+                               float("inf"), BRANCH_FREE))
+    delta = load_vector(vector_source(Delta + row, N, BLOCK_M, BRANCH_FREE), start_m, offs_m, N, 0.0,
+                        BRANCH_FREE)
 
     acc_q = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)    # sum X K + dS U_K
     acc_pk = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)   # sum P K
@@ -97,27 +116,30 @@ def attention_bob_rows_kernel(
     lo, hi = key_range(start_m, M, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW, HAS_RANGE, BLOCK_M, BLOCK_N)
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         offs_n = start_n + offs_n0
-        k = load_tile(k_base, offs_n, offs_d, skn, M, HEAD_DIM)
+        k = load_rows(k_src, start_n, offs_n, offs_d, skn, M, HEAD_DIM, TMA_LOADS)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         p = tl.exp2(s * qk_scale_log2 - lse2[:, None])
-        if row_tile_needs_mask(start_m, start_n, M, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW,
-                               HAS_RANGE, BLOCK_M, BLOCK_N):
+        if BRANCH_FREE:
+            p = tl.where(visible(offs_m, offs_n, N, M, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW, HAS_RANGE),
+                         p, 0.0)
+        elif row_tile_needs_mask(start_m, start_n, M, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW,
+                                 HAS_RANGE, BLOCK_M, BLOCK_N):
             seen = visible(offs_m, offs_n, N, M, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW, HAS_RANGE)
             p = tl.where(seen, p, 0.0)
         x = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         if HAS_UV:
-            uv = load_tile(uv_base, offs_n, offs_d, suvn, M, HEAD_DIM)
+            uv = load_rows(uv_src, start_n, offs_n, offs_d, suvn, M, HEAD_DIM, TMA_LOADS)
             if WANT_GQ:
                 x += p * tl.dot(do, tl.trans(uv), input_precision=PRECISION)
             if WANT_GDO:
                 acc_do = tl.dot(p.to(uv.dtype), uv, acc_do, input_precision=PRECISION)
         if HAS_G:
-            v = load_tile(v_base, offs_n, offs_d, svn, M, HEAD_DIM)
+            v = load_rows(v_src, start_n, offs_n, offs_d, svn, M, HEAD_DIM, TMA_LOADS)
             g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             if HAS_UQ:
                 g = tl.dot(uq, tl.trans(k), g, input_precision=PRECISION)
             if HAS_UK:
-                uk = load_tile(uk_base, offs_n, offs_d, sukn, M, HEAD_DIM)
+                uk = load_rows(uk_src, start_n, offs_n, offs_d, sukn, M, HEAD_DIM, TMA_LOADS)
                 g = tl.dot(q, tl.trans(uk), g, input_precision=PRECISION)
             pg = p * g * scale
             c += tl.sum(pg, 1)
@@ -174,14 +196,18 @@ def attention_bob_cols_kernel(
     HAS_UK: tl.constexpr, HAS_UV: tl.constexpr, HAS_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-    KEYS_IN_REGS: tl.constexpr,
+    KEYS_IN_REGS: tl.constexpr, TMA_LOADS: tl.constexpr,
 ):
     """One program: BLOCK_N keys of one (batch, kv head), summing over its GROUP query heads;
     writes K̄ and V̄. Grid (cdiv(M, BLOCK_N), B * Hkv). GK and GV share strides. Tiles are
     (BLOCK_N, BLOCK_M): the transposes of the rows kernel's. KEYS_IN_REGS keeps k, v, u_k and u_v,
-    the left operands of the five recomputed products, in registers (`in_registers`)."""
+    the left operands of the five recomputed products, in registers (`in_registers`). TMA_LOADS reads
+    k, v, u_k, u_v and the loop's q, dO, u_q through tensor descriptors (`tile_source`); the row
+    vectors (lse, e, delta, c) only with WARP_SPECIALIZE too (BRANCH_FREE: a 1-D descriptor's base,
+    row = (b, h) * N, is 16-byte aligned only when N is a multiple of 4)."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
+    BRANCH_FREE: tl.constexpr = TMA_LOADS and WARP_SPECIALIZE
     b = (pid_bh // HEADS_KV).to(tl.int64)
     hk = (pid_bh % HEADS_KV).to(tl.int64)
     KS, KE = load_key_range(KeyRange, b, M, HAS_RANGE)
@@ -189,19 +215,23 @@ def attention_bob_cols_kernel(
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_m0 = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    k = load_tile(K + b * skb + hk * skh, offs_n, offs_d, skn, M, HEAD_DIM)
+    k_src = tile_source(K + b * skb + hk * skh, skn, M, HEAD_DIM, BLOCK_N, BLOCK_D, TMA_LOADS)
+    k = load_rows(k_src, start_n, offs_n, offs_d, skn, M, HEAD_DIM, TMA_LOADS)
     if KEYS_IN_REGS:
         k = in_registers(k, offs_n, M)
     if HAS_G:
-        v = load_tile(V + b * svb + hk * svh, offs_n, offs_d, svn, M, HEAD_DIM)
+        v_src = tile_source(V + b * svb + hk * svh, svn, M, HEAD_DIM, BLOCK_N, BLOCK_D, TMA_LOADS)
+        v = load_rows(v_src, start_n, offs_n, offs_d, svn, M, HEAD_DIM, TMA_LOADS)
         if KEYS_IN_REGS:
             v = in_registers(v, offs_n, M)
     if HAS_UK:
-        uk = load_tile(UK + b * sukb + hk * sukh, offs_n, offs_d, sukn, M, HEAD_DIM)
+        uk_src = tile_source(UK + b * sukb + hk * sukh, sukn, M, HEAD_DIM, BLOCK_N, BLOCK_D, TMA_LOADS)
+        uk = load_rows(uk_src, start_n, offs_n, offs_d, sukn, M, HEAD_DIM, TMA_LOADS)
         if KEYS_IN_REGS:
             uk = in_registers(uk, offs_n, M)
     if HAS_UV:
-        uv = load_tile(UV + b * suvb + hk * suvh, offs_n, offs_d, suvn, M, HEAD_DIM)
+        uv_src = tile_source(UV + b * suvb + hk * suvh, suvn, M, HEAD_DIM, BLOCK_N, BLOCK_D, TMA_LOADS)
+        uv = load_rows(uv_src, start_n, offs_n, offs_d, suvn, M, HEAD_DIM, TMA_LOADS)
         if KEYS_IN_REGS:
             uv = in_registers(uv, offs_n, M)
     acc_k = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
@@ -210,32 +240,42 @@ def attention_bob_cols_kernel(
     for g_head in range(0, GROUP):
         h = hk * GROUP + g_head
         row = (b * HEADS_Q + h) * N
-        q_base = Q + b * sqb + h * sqh
-        do_base = DO + b * sdob + h * sdoh
-        uq_base = UQ + b * suqb + h * suqh
+        q_src = tile_source(Q + b * sqb + h * sqh, sqn, N, HEAD_DIM, BLOCK_M, BLOCK_D, TMA_LOADS)
+        if HAS_UV or HAS_G:
+            do_src = tile_source(DO + b * sdob + h * sdoh, sdon, N, HEAD_DIM, BLOCK_M, BLOCK_D, TMA_LOADS)
+        if HAS_UQ:
+            uq_src = tile_source(UQ + b * suqb + h * suqh, suqn, N, HEAD_DIM, BLOCK_M, BLOCK_D, TMA_LOADS)
+        lse_src = vector_source(Lse + row, N, BLOCK_M, BRANCH_FREE)
+        e_src = vector_source(E + row, N, BLOCK_M, BRANCH_FREE)
+        if HAS_G:
+            delta_src = vector_source(Delta + row, N, BLOCK_M, BRANCH_FREE)
+            c_src = vector_source(C + row, N, BLOCK_M, BRANCH_FREE)
         for start_m in tl.range(lo, hi, BLOCK_M, warp_specialize=WARP_SPECIALIZE):
             offs_m = start_m + offs_m0
-            q = load_tile(q_base, offs_m, offs_d, sqn, N, HEAD_DIM)
-            lse2 = lse_log2(Lse + row, offs_m, N)
-            e = tl.load(E + row + offs_m, mask=offs_m < N, other=0.0)
+            q = load_rows(q_src, start_m, offs_m, offs_d, sqn, N, HEAD_DIM, TMA_LOADS)
+            lse2 = to_log2(load_vector(lse_src, start_m, offs_m, N, float("inf"), BRANCH_FREE))
+            e = load_vector(e_src, start_m, offs_m, N, 0.0, BRANCH_FREE)
             st = tl.dot(k, tl.trans(q), input_precision=PRECISION)
             pt = tl.exp2(st * qk_scale_log2 - lse2[None, :])
-            if col_tile_needs_mask(start_m, start_n, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW, HAS_RANGE,
-                                   BLOCK_M, BLOCK_N):
+            if BRANCH_FREE:
+                seen = visible_t(offs_n, offs_m, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW, HAS_RANGE)
+                pt = tl.where(seen & (offs_m[None, :] < N), pt, 0.0)
+            elif col_tile_needs_mask(start_m, start_n, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW, HAS_RANGE,
+                                     BLOCK_M, BLOCK_N):
                 seen = visible_t(offs_n, offs_m, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW, HAS_RANGE)
                 pt = tl.where(seen, pt, 0.0)
             gpt = tl.zeros([BLOCK_N, BLOCK_M], tl.float32) - e[None, :]    # (G_P - e)^T
             if HAS_UV or HAS_G:
-                do = load_tile(do_base, offs_m, offs_d, sdon, N, HEAD_DIM)
+                do = load_rows(do_src, start_m, offs_m, offs_d, sdon, N, HEAD_DIM, TMA_LOADS)
             if HAS_UV:
                 gpt = tl.dot(uv, tl.trans(do), gpt, input_precision=PRECISION)
             if HAS_G:
-                delta = tl.load(Delta + row + offs_m, mask=offs_m < N, other=0.0)
-                c = tl.load(C + row + offs_m, mask=offs_m < N, other=0.0)
+                delta = load_vector(delta_src, start_m, offs_m, N, 0.0, BRANCH_FREE)
+                c = load_vector(c_src, start_m, offs_m, N, 0.0, BRANCH_FREE)
                 dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
                 gt = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
                 if HAS_UQ:
-                    uq = load_tile(uq_base, offs_m, offs_d, suqn, N, HEAD_DIM)
+                    uq = load_rows(uq_src, start_m, offs_m, offs_d, suqn, N, HEAD_DIM, TMA_LOADS)
                     gt = tl.dot(k, tl.trans(uq), gt, input_precision=PRECISION)
                 if HAS_UK:
                     gt = tl.dot(uk, tl.trans(q), gt, input_precision=PRECISION)

@@ -34,6 +34,30 @@ def load_tile(base, offs_rows, offs_d, stride_row, n_rows, HEAD_DIM: tl.constexp
 
 
 @triton.jit
+def tile_source(base, stride_row, n_rows, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                BLOCK_D: tl.constexpr, TMA: tl.constexpr):
+    """What `load_rows` reads (BLOCK_ROWS, BLOCK_D) tiles of a row-major (n_rows, HEAD_DIM) slice at
+    base from: with TMA a tensor descriptor (Hopper's tensor memory accelerator copies the tile; its
+    bounds zero-fill rows past n_rows and columns past HEAD_DIM; base and stride_row must be 16-byte
+    aligned, which the launcher checks), else base itself (pointer loads)."""
+    if TMA:
+        return tl.make_tensor_descriptor(base, [n_rows, HEAD_DIM], [stride_row, 1], [BLOCK_ROWS, BLOCK_D])
+    else:
+        return base
+
+
+@triton.jit
+def load_rows(source, start, offs_rows, offs_d, stride_row, n_rows, HEAD_DIM: tl.constexpr,
+              TMA: tl.constexpr):
+    """The (rows, BLOCK_D) tile of rows offs_rows = start + arange(rows) from a `tile_source`, zero past
+    n_rows and HEAD_DIM: a descriptor load with TMA, else `load_tile`."""
+    if TMA:
+        return source.load([start, 0])
+    else:
+        return load_tile(source, offs_rows, offs_d, stride_row, n_rows, HEAD_DIM)
+
+
+@triton.jit
 def in_registers(tile, offs_rows, n_rows):
     """tile (rows, BLOCK_D), loaded by `load_tile` with the same rows, unchanged: its rows past n_rows
     are zero already. The select keeps Triton from staging it in shared memory, so a product that
@@ -157,8 +181,33 @@ def query_range(start_n, N, OFFSET, WINDOW, KS, KE, CAUSAL: tl.constexpr, HAS_WI
 @triton.jit
 def lse_log2(lse_ptr, offs_m, N):
     """Row log-sum-exp in base 2, +inf on rows that see no key (so exp2(s - lse) is 0 there)."""
-    lse = tl.load(lse_ptr + offs_m, mask=offs_m < N, other=float("inf"))
+    return to_log2(tl.load(lse_ptr + offs_m, mask=offs_m < N, other=float("inf")))
+
+
+@triton.jit
+def to_log2(lse):
+    """Natural-log row log-sum-exps in base 2, -inf (rows that see no key) made +inf."""
     return tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+
+
+@triton.jit
+def vector_source(base, n_rows, BLOCK: tl.constexpr, TMA: tl.constexpr):
+    """What `load_vector` reads (BLOCK,) pieces of the float32 vector base[0 : n_rows] from: a 1-D
+    tensor descriptor with TMA (base 16-byte aligned: the launcher checks), else base."""
+    if TMA:
+        return tl.make_tensor_descriptor(base, [n_rows], [1], [BLOCK])
+    else:
+        return base
+
+
+@triton.jit
+def load_vector(source, start, offs, n_rows, other, TMA: tl.constexpr):
+    """Elements offs = start + arange(BLOCK) of a `vector_source`: past n_rows `other` for pointer
+    loads, 0 for a descriptor (callers mask those rows themselves)."""
+    if TMA:
+        return source.load([start])
+    else:
+        return tl.load(source + offs, mask=offs < n_rows, other=other)
 
 
 @triton.jit

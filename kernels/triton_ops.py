@@ -82,6 +82,32 @@ def _mask_args(causal: bool, window: int | None, n: int, m: int, key_range: torc
             "HAS_RANGE": key_range is not None}
 
 
+def _prepare_descriptors(kernel: str, cfg: dict, n: int, device: torch.device,
+                         tensors: dict[str, torch.Tensor]) -> None:
+    """For a launch with cfg's TMA_LOADS, whose kernel builds tensor descriptors over `tensors` (name
+    -> (B, H, L, D), or lse (B, H, N)): check that each starts 16-byte aligned with batch, head and
+    row strides of whole 16-byte units (TMA's rule; ValueError otherwise). With WARP_SPECIALIZE too,
+    the kernel also reads its float32 row vectors (B, H, N) by descriptors, one per (batch, head) row
+    of n: n must be a multiple of 4. On CUDA give Triton an allocator for the descriptors' global
+    scratch (`triton.set_allocator`, replacing any other)."""
+    if not cfg["TMA_LOADS"]:
+        return
+    if cfg["WARP_SPECIALIZE"] and n % 4:
+        raise ValueError(f"the {kernel} settings TMA_LOADS with WARP_SPECIALIZE need the query length "
+                         f"to be a multiple of 4 (16-byte aligned rows of float32 row vectors), got {n}")
+    for name, t in tensors.items():
+        if t.data_ptr() % 16 or any(stride * t.element_size() % 16 for stride in t.stride()[:-1]):
+            raise ValueError(
+                f"the {kernel} setting TMA_LOADS needs {name} to start 16-byte aligned with strides "
+                f"(batch, head, row) of whole 16-byte units; got strides {tuple(t.stride())} of "
+                f"{t.element_size()}-byte elements at address % 16 = {t.data_ptr() % 16} (head dim "
+                f"{t.shape[-1]}: contiguous inputs need a multiple of {16 // t.element_size()}); leave "
+                f"TMA_LOADS off")
+    if device.type == "cuda":
+        triton.set_allocator(
+            lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device))
+
+
 def row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """rowsum(a * b) in float32. a, b: (B, H, N, D) -> (B, H, N)."""
     batch, heads, n, d = a.shape
@@ -191,6 +217,10 @@ def bob(q, k, v, out, lse, dout, dq, u_q, u_k, u_v, *, causal: bool, window: int
         split, pk_late = cfg.pop("SPLIT"), cfg.pop("PK_LATE")
         do_regs, q_regs, q_regs_gq = (cfg.pop(name) for name in ("DO_IN_REGS", "Q_IN_REGS", "Q_IN_REGS_GQ"))
         pk_late = pk_late and split
+        _prepare_descriptors("bob_rows", cfg, n, q.device, {name: t for name, t, on in (
+            ("q", q, True), ("dout", dout, True), ("u_q", u_q, flags["HAS_UQ"]), ("k", k, True),
+            ("v", v, flags["HAS_G"]), ("u_k", u_k, flags["HAS_UK"]), ("u_v", u_v, flags["HAS_UV"]),
+            ("lse", lse, cfg["WARP_SPECIALIZE"])) if on})
         # Q̄ with c and e first, then dŌ (in one launch where the accumulators fit the registers).
         # With PK_LATE the first launch leaves float32 partial sums of Q̄ and the row sums x behind.
         partial = _empty(q.shape, torch.float32, q.device) if pk_late else grad_q
@@ -211,6 +241,10 @@ def bob(q, k, v, out, lse, dout, dq, u_q, u_k, u_v, *, causal: bool, window: int
         return max(compiled, key=lambda c: getattr(getattr(c, "metadata", None), "shared", 0))
 
     def run_cols(cfg):
+        _prepare_descriptors("bob_cols", cfg, n, q.device, {name: t for name, t, on in (
+            ("q", q, True), ("dout", dout, flags["HAS_UV"] or flags["HAS_G"]), ("u_q", u_q, flags["HAS_UQ"]),
+            ("k", k, True), ("v", v, flags["HAS_G"]), ("u_k", u_k, flags["HAS_UK"]),
+            ("u_v", u_v, flags["HAS_UV"]), ("lse", lse, cfg["WARP_SPECIALIZE"])) if on})
         return _start(attention_bob_cols_kernel, (triton.cdiv(m, cfg["BLOCK_N"]), batch * heads_kv))(
             q, k, v, dout, u_q_, u_k_, u_v_, lse, delta, row_c, row_e, grad_k, grad_v,
             *_strides(q), *_strides(k), *_strides(v), *_strides(dout),

@@ -166,3 +166,17 @@ def test_unknown_fp32_settings_and_families_are_refused():
                  ["--precision-modes", "bf16x3"], ["--first-call-families", "99"]):
         with pytest.raises(SystemExit):
             portable.parse_args(argv)
+
+
+@pytest.mark.many_compiles
+def test_the_tma_settings_run_in_the_sweep(tmp_path, monkeypatch):
+    """The sweep's TMA settings at toy sizes (the interpreter: no warp specialisation, the same
+    masks and descriptor loads): each runs, agrees with the default and is recorded ok."""
+    portable = load_script()
+    monkeypatch.setattr(tiling, "launch_listener", None)
+    monkeypatch.setattr(portable, "SWEEP", {48: [("default", {}), *portable.TMA_SETTINGS]})
+    monkeypatch.setattr(portable, "median_ms", lambda fn, rep_ms: 1.0)
+    portable.main(["--smoke", "--out", str(tmp_path), "--parts", "sweep"])
+    rows = [r for r in read_rows(tmp_path) if r["part"] == "sweep" and r["mask"] == "causal"]
+    assert [r["setting"] for r in rows] == ["default", *(name for name, _ in portable.TMA_SETTINGS)]
+    assert all(r["status"] == "ok" and float(r["rel_diff_to_default"]) < 1e-3 for r in rows), rows
