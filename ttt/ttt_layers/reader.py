@@ -28,6 +28,7 @@ from torch import nn
 from ttt.inner import maybe_checkpoint
 from ttt.models.transformer import Block, Transformer, rope_cos_sin
 
+from .block import detach_cache
 from .config import TTTConfig
 
 Carry = Any
@@ -118,7 +119,7 @@ class ChunkedReader(nn.Module):
         carry = self._initial_state(batch, lr_scale=lr_scale)
         if not outer_grad:
             carry = self._detached(carry)
-        caches, all_logits, all_losses = [None] * len(self.suffix), [], []
+        caches, all_logits, all_losses = [block.initial_cache(n) for block in self.suffix], [], []
         for start in range(0, n, self.ttt_cfg.chunk_len):
             end = min(start + self.ttt_cfg.chunk_len, n)
             args = (
@@ -137,7 +138,7 @@ class ChunkedReader(nn.Module):
             )
             if not outer_grad:
                 logits, losses = (None if logits is None else logits.detach()), losses.detach()
-                caches = [(k.detach(), v.detach()) for k, v in caches]
+                caches = [detach_cache(cache) for cache in caches]
                 carry = self._detached(carry)
             all_logits.append(logits)
             all_losses.append(losses)
