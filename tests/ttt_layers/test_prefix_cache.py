@@ -77,11 +77,21 @@ def test_a_second_continuation_copies_and_leaves_the_first_intact():
     assert torch.equal(first.keys, torch.cat([a, b], 2)) and torch.equal(first.values, torch.cat([a, b], 2))
     assert torch.equal(second.values, torch.cat([a, 3 * c], 2))
     assert second.keys.untyped_storage().data_ptr() != first.keys.untyped_storage().data_ptr()
+    assert second.keys.untyped_storage().nbytes() == second.keys.numel() * second.keys.element_size()
     third = first.extend(c, c)  # first is still its buffers' latest continuation: in place
     assert third.keys.untyped_storage().data_ptr() == first.keys.untyped_storage().data_ptr()
     (first.keys.sum() + 2 * second.values.sum() + third.keys.square().sum()).backward()
     torch.testing.assert_close(a.grad, 1 + 2 + 2 * a.detach())
     torch.testing.assert_close(c.grad, 6 + 2 * c.detach())
+
+
+def test_a_second_first_chunk_copies_at_its_own_size():
+    a, b = chunk_inputs(chunks=(4, 3))
+    empty = PrefixCache.reserve(9)
+    first, second = empty.extend(a, a), empty.extend(b, b)
+    assert first.keys.untyped_storage().nbytes() == 2 * 3 * 9 * 5 * 8  # B, Hkv, the 9 rows, D; float64
+    assert second.keys.untyped_storage().nbytes() == b.numel() * 8
+    assert torch.equal(first.keys, a) and torch.equal(second.keys, b)
 
 
 def test_detached_cache_extends_in_place_without_a_graph():

@@ -24,16 +24,22 @@ import torch
 
 
 class _Rows:
-    """Key and value buffers (B, Hkv, capacity, D) shared by the caches that view them, and how many of
-    their rows are written (filled)."""
+    """Key and value buffers (B, Hkv, capacity, D) shared by the caches that view them (None until the
+    first chunk gives their shape and dtype), and how many of their rows are written (filled)."""
 
-    __slots__ = ("keys", "values", "filled")
+    __slots__ = ("keys", "values", "filled", "capacity")
 
-    def __init__(self, like: torch.Tensor, capacity: int):
+    def __init__(self, capacity: int, like: torch.Tensor | None = None):
+        self.keys = self.values = None
+        self.filled, self.capacity = 0, capacity
+        if like is not None:
+            self.allocate(like)
+
+    def allocate(self, like: torch.Tensor) -> None:
+        """The buffers, in the dtype and device of like (B, Hkv, C, D)."""
         batch, heads, _, dim = like.shape
-        self.keys = like.new_empty(batch, heads, capacity, dim)
-        self.values = like.new_empty(batch, heads, capacity, dim)
-        self.filled = 0
+        self.keys = like.new_empty(batch, heads, self.capacity, dim)
+        self.values = like.new_empty(batch, heads, self.capacity, dim)
 
 
 class _Append(torch.autograd.Function):
@@ -62,18 +68,16 @@ class PrefixCache:
     """Keys and values (B, Hkv, L, D) of the L positions read so far (`keys`, `values`: views of shared
     buffers, differentiable into every chunk's keys and values; None before the first chunk)."""
 
-    __slots__ = ("keys", "values", "_rows", "_capacity")
+    __slots__ = ("keys", "values", "_rows")
 
-    def __init__(
-        self, keys: torch.Tensor | None, values: torch.Tensor | None, rows: _Rows | None, capacity: int
-    ):
-        self.keys, self.values, self._rows, self._capacity = keys, values, rows, capacity
+    def __init__(self, keys: torch.Tensor | None, values: torch.Tensor | None, rows: _Rows):
+        self.keys, self.values, self._rows = keys, values, rows
 
     @staticmethod
     def reserve(positions: int) -> PrefixCache:
-        """An empty cache whose first buffers (made by the first `extend`, in its keys' dtype) hold
-        `positions` rows: a read of that many positions then never copies."""
-        return PrefixCache(None, None, None, positions)
+        """An empty cache whose buffers (made by its first `extend`, in the keys' dtype) hold `positions`
+        rows: a read of that many positions then never copies."""
+        return PrefixCache(None, None, _Rows(positions))
 
     @property
     def positions(self) -> int:
@@ -83,25 +87,28 @@ class PrefixCache:
     def extend(self, keys: torch.Tensor, values: torch.Tensor) -> PrefixCache:
         """This cache followed by a chunk's keys and values (B, Hkv, C, D): a cache of L + C positions,
         written into the free rows of this cache's buffers when this is their first continuation and they
-        have room (and the same dtype and device), else into new buffers of max(reserved, 2 (L + C)) rows
-        (the reserved count only before the first chunk)."""
+        have room (and the same dtype and device), else into new buffers: of L + C rows for a second
+        continuation (a copy, as torch.cat makes), of 2 (L + C) for a first one that does not fit."""
         start, rows = self.positions, self._rows
         end = start + keys.shape[2]
+        first_continuation = rows.filled == start
+        if first_continuation and rows.keys is None:
+            rows.capacity = max(rows.capacity, end)
+            rows.allocate(keys)
         in_place = (
-            rows is not None
-            and rows.filled == start
-            and rows.keys.shape[2] >= end
+            first_continuation
+            and rows.capacity >= end
             and (rows.keys.dtype, rows.keys.device) == (keys.dtype, keys.device)
         )
         if not in_place:
-            rows = _Rows(keys, max(self._capacity, end) if rows is None else 2 * end)
+            rows = _Rows(2 * end if first_continuation else end, like=keys)
         keys = _Append.apply(self.keys, keys, rows.keys, in_place)
         values = _Append.apply(self.values, values, rows.values, in_place)
         rows.filled = end
-        return PrefixCache(keys, values, rows, self._capacity)
+        return PrefixCache(keys, values, rows)
 
     def detach(self) -> PrefixCache:
         """The same positions cut from the graph (still extended in place)."""
         if self.keys is None:
             return self
-        return PrefixCache(self.keys.detach(), self.values.detach(), self._rows, self._capacity)
+        return PrefixCache(self.keys.detach(), self.values.detach(), self._rows)

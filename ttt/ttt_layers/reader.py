@@ -7,7 +7,9 @@ Reading the sequences tokens (B, N) side by side:
     for each chunk c of ttt.chunk_len tokens:
         logits, per-token losses, caches, carry = `_read_chunk`(carry, the chunk, caches, ...):
         the suffix blocks read the chunk with carry and each layer's key/value cache (the window - 1
-        most recent positions, carried across chunks), the head scores its next tokens (`_score`),
+        most recent positions, carried across chunks; from `SuffixBlock.initial_cache`, which gives a
+        block with shares_prefix under full causal attention one `PrefixCache` for the whole read),
+        the head scores its next tokens (`_score`),
         and carry adapts (TTT-E2E: inner steps after scoring; neural memory: writes inside the blocks);
     returns the chunks' logits (kept on request) and losses, concatenated along the sequence.
 
