@@ -1,6 +1,6 @@
 """Bytes saved for backward by one meta step of the memory layer, on the CPU, as CUDA would save them.
 
-    python benchmarks/neural_memory_saved.py                          # mac, full causal: about 2 minutes
+    python benchmarks/neural_memory_saved.py                          # mac, full causal: about 10 s
     python benchmarks/neural_memory_saved.py --concat                 # the prefix concatenated per chunk
     python benchmarks/neural_memory_saved.py --variant mag --window 64 --sources 8
 
