@@ -154,6 +154,52 @@ def test_chunked_reading_equals_a_plain_loop(variant, write_grad, depth, chunk_l
     torch.testing.assert_close(model.token_losses(x, adapt=False), reference_losses(model, x, write=False))
 
 
+@pytest.mark.parametrize("variant", ["mac", "mag"])
+@pytest.mark.parametrize("chunk_len", [1, 3])
+def test_full_causal_reading_equals_a_plain_loop(variant, chunk_len):
+    """Without a window the blocks keep every key and value in one `PrefixCache`."""
+    model = make(
+        variant=variant, chunk_len=chunk_len, window=None, dtype=torch.float64, max_lr=0.5, grad_clip=None
+    )
+    x = tokens(n=11)
+    torch.testing.assert_close(model.token_losses(x), reference_losses(model, x), rtol=1e-7, atol=1e-7)
+
+
+def outer_derivatives(model, x):
+    """(losses, outer gradient of their mean, and the gradient of <outer gradient, r> for a fixed random
+    r: a Hessian-vector product of the outer loss), over the parameters that get a gradient."""
+    losses = model.token_losses(x)
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(losses.mean(), params, create_graph=True, allow_unused=True)
+    used = [(p, g) for p, g in zip(params, grads) if g is not None]
+    directions = torch.Generator().manual_seed(3)
+    dot = sum((g * torch.randn(g.shape, generator=directions, dtype=g.dtype)).sum() for _, g in used)
+    hvp = torch.autograd.grad(dot, [p for p, _ in used], allow_unused=True)
+    return losses, [g for _, g in used], hvp
+
+
+@pytest.mark.parametrize("variant", ["mac", "mag"])
+@pytest.mark.parametrize("checkpoint", [False, True], ids=["stored", "checkpointed"])
+def test_shared_prefix_gives_the_losses_and_derivatives_of_concatenation(variant, checkpoint):
+    """Full causal attention, float64, 2 sequences of 37 tokens in chunks of 5 (the last of 2): the keys and
+    values in one shared buffer (`SuffixBlock.shares_prefix`) against their concatenation per chunk,
+    in the losses, the outer gradient (second order through the writes), a Hessian-vector product of
+    the outer loss, and the evaluation read (detached chunks). Checkpointed chunks are recomputed
+    from the same cache: the second continuation copies."""
+    x = tokens(n=37)
+    results = []
+    for shares_prefix in (True, False):
+        model = make(variant=variant, chunk_len=5, window=None, dtype=torch.float64, checkpoint=checkpoint)
+        model.suffix[0].shares_prefix = shares_prefix
+        losses, grads, hvp = outer_derivatives(model, x)
+        with torch.enable_grad():
+            evaluated = model.token_losses(x, outer_grad=False)
+        results.append((losses, *grads, *hvp, evaluated))
+    assert len(results[0]) == len(results[1])
+    for got, expected in zip(*results):
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-14)
+
+
 def one_write(memory, u):
     """The memory weights after one write of chunk u (B, C, d_model) from zero weights and surprise."""
     weights = {

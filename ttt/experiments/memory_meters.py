@@ -6,7 +6,10 @@ Every tensor an autograd node saves (`ctx.save_for_backward`, the inputs of a ma
 through a pack hook; the meter counts each storage once while any node still holds it, so the peak
 is the activation memory of a meta step as the back-of-envelope model counts it: no allocator
 slack, no transient buffers, no gradients. Inside `torch.utils.checkpoint` regions the checkpoint's
-own hooks take over, so recomputed activations are (correctly) not counted there.
+own hooks take over, so recomputed activations are (correctly) not counted there. With by_source,
+each storage is also charged to the line of `ttt` or `kernels` code that first saved it (the
+innermost such frame of the Python stack: a custom Function's setup_context, or the line that called a
+built-in op), for finding which operation's saved tensors grow.
 
 `LiveTensorMeter`: peak bytes of all tensors alive during a block, for devices without allocator
 statistics (the CPU); on CUDA the experiment reads `torch.cuda.max_memory_allocated` instead.
@@ -18,7 +21,9 @@ are not counted (add them yourself); buffers an op allocates and frees internall
 
 from __future__ import annotations
 
+import traceback
 import weakref
+from collections import Counter
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -39,13 +44,26 @@ class SavedTensorMeter:
 
     live_bytes: bytes of distinct storages currently saved for backward.
     peak_bytes: maximum of live_bytes since entering.
+    by_source: also charge each storage to the code that first saved it (`live_by_source`; slow: reads
+    the stack at every save).
     """
 
-    def __init__(self):
+    def __init__(self, *, by_source: bool = False):
         self.live_bytes = 0
         self.peak_bytes = 0
         self._holders: dict[tuple, int] = {}
+        self._sources: dict[tuple, tuple[str, int]] | None = {} if by_source else None
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def live_by_source(self) -> Counter:
+        """Bytes of the storages saved now, by "path:line function" of the code that first saved each
+        (paths from the package root; "?" outside ttt and kernels). Needs by_source=True."""
+        if self._sources is None:
+            raise RuntimeError("live_by_source needs SavedTensorMeter(by_source=True)")
+        charged = Counter()
+        for source, nbytes in self._sources.values():
+            charged[source] += nbytes
+        return charged
 
     def _pack(self, tensor: torch.Tensor) -> _Held:
         storage = tensor.untyped_storage()
@@ -53,6 +71,8 @@ class SavedTensorMeter:
         if self._holders.get(key, 0) == 0:
             self.live_bytes += storage.nbytes()
             self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+            if self._sources is not None:
+                self._sources[key] = (_saving_code(), storage.nbytes())
         self._holders[key] = self._holders.get(key, 0) + 1
         # A detached alias: holding the tensor itself would make a node that saves its own output
         # reference itself through its grad_fn, a cycle that keeps the graph alive.
@@ -69,6 +89,8 @@ class SavedTensorMeter:
         if self._holders[key] == 0:
             del self._holders[key]
             self.live_bytes -= nbytes
+            if self._sources is not None:
+                del self._sources[key]
 
     def __enter__(self) -> SavedTensorMeter:
         self._hooks.__enter__()
@@ -76,6 +98,18 @@ class SavedTensorMeter:
 
     def __exit__(self, *exc) -> None:
         self._hooks.__exit__(*exc)
+
+
+def _saving_code() -> str:
+    """"path:line function" of the innermost frame in ttt/ or kernels/ outside this module."""
+    for frame in reversed(traceback.extract_stack()):
+        if frame.filename == __file__:
+            continue
+        for package in ("/ttt/", "/kernels/"):
+            if package in frame.filename:
+                path = package[1:] + frame.filename.rsplit(package, 1)[1]
+                return f"{path}:{frame.lineno} {frame.name}"
+    return "?"
 
 
 class LiveTensorMeter(TorchDispatchMode):

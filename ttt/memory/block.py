@@ -36,7 +36,10 @@ def unit_rms(a: torch.Tensor) -> torch.Tensor:
 
 class MemoryBlock(SuffixBlock):
     """`SuffixBlock` without an extra MLP (parameter names of `Block`: layers.{i}.attn.wq.weight, ...) plus
-    a `NeuralMemory` (layers.{i}.memory.*)."""
+    a `NeuralMemory` (layers.{i}.memory.*). Each chunk continues its cache once: under full causal
+    attention the keys and values share one buffer (`SuffixBlock.shares_prefix`)."""
+
+    shares_prefix = True
 
     def __init__(self, block: Block, cfg: TransformerConfig, memory: MemoryConfig):
         super().__init__(block, cfg, None)

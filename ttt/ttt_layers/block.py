@@ -9,8 +9,20 @@ from torch import nn
 from ttt.models.attention import attention
 from ttt.models.transformer import Block, RMSNorm, SwiGLU, TransformerConfig
 
-KVCache = tuple[torch.Tensor, torch.Tensor] | None
-"""Keys (RoPE applied) and values of the most recent positions, each (B, n_kv_heads, M, head_dim)."""
+from .prefix_cache import PrefixCache
+
+KVCache = tuple[torch.Tensor, torch.Tensor] | PrefixCache | None
+"""Keys (RoPE applied) and values of the most recent positions, each (B, n_kv_heads, M, head_dim): a
+pair, or a `PrefixCache` (all positions, full causal attention with `SuffixBlock.shares_prefix`)."""
+
+
+def detach_cache(cache: KVCache) -> KVCache:
+    """cache with its keys and values cut from the graph."""
+    if cache is None:
+        return None
+    if isinstance(cache, PrefixCache):
+        return cache.detach()
+    return cache[0].detach(), cache[1].detach()
 
 
 class SuffixBlock(nn.Module):
@@ -19,6 +31,12 @@ class SuffixBlock(nn.Module):
     x + ttt_mlp(ttt_norm(x)) between attention and the block's MLP. The extra MLP's output projection
     starts at zero, so a fresh SuffixBlock computes exactly what the block did. Through functional_call
     any of its weights may carry a leading batch dim, one per sequence (see `project`)."""
+
+    shares_prefix = False
+    """With full causal attention, carry the keys and values as a `PrefixCache` (each chunk's attention
+    saves a view of one buffer) instead of concatenating them per chunk (each saves its own copy of the
+    prefix: O(N^2 / chunk_len) saved). Only for a block that continues each cache once in the forward:
+    `MemoryBlock`; TTT-E2E reads every chunk again from the same cache for its inner steps."""
 
     def __init__(self, block: Block, cfg: TransformerConfig, extra_hidden: int | None):
         super().__init__()
@@ -43,10 +61,19 @@ class SuffixBlock(nn.Module):
         """How many past positions a later query can still see: window - 1 (None: all, full attention)."""
         return None if self.cfg.window is None else self.cfg.window - 1
 
+    def initial_cache(self, positions: int) -> KVCache:
+        """The cache before the first chunk of a read of `positions` positions: None, or with
+        shares_prefix and full causal attention an empty `PrefixCache` with room for all of them."""
+        return PrefixCache.reserve(positions) if self.shares_prefix and self.kept_keys() is None else None
+
     def attend(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache):
         """Attention of the chunk x (B, C, d) over the cache and itself; cos, sin (C, head_dim) are the
         RoPE tables of the chunk's absolute positions. Returns ((B, C, d), the cache for the next chunk)."""
         q, k, v = self.attn.project_qkv(x, cos, sin)
+        if self.shares_prefix and self.kept_keys() is None:
+            cache = (PrefixCache.reserve(0) if cache is None else cache).extend(k, v)
+            out = attention(q, cache.keys, cache.values, backend=self.cfg.attention, causal=True, window=None)
+            return self.attn.project_out(out), cache
         if cache is not None:
             k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
         out = attention(q, k, v, backend=self.cfg.attention, causal=True, window=self.cfg.window)

@@ -7,7 +7,9 @@ Reading the sequences tokens (B, N) side by side:
     for each chunk c of ttt.chunk_len tokens:
         logits, per-token losses, caches, carry = `_read_chunk`(carry, the chunk, caches, ...):
         the suffix blocks read the chunk with carry and each layer's key/value cache (the window - 1
-        most recent positions, carried across chunks), the head scores its next tokens (`_score`),
+        most recent positions, carried across chunks; from `SuffixBlock.initial_cache`, which gives a
+        block with shares_prefix under full causal attention one `PrefixCache` for the whole read),
+        the head scores its next tokens (`_score`),
         and carry adapts (TTT-E2E: inner steps after scoring; neural memory: writes inside the blocks);
     returns the chunks' logits (kept on request) and losses, concatenated along the sequence.
 
@@ -28,6 +30,7 @@ from torch import nn
 from ttt.inner import maybe_checkpoint
 from ttt.models.transformer import Block, Transformer, rope_cos_sin
 
+from .block import detach_cache
 from .config import TTTConfig
 
 Carry = Any
@@ -118,7 +121,7 @@ class ChunkedReader(nn.Module):
         carry = self._initial_state(batch, lr_scale=lr_scale)
         if not outer_grad:
             carry = self._detached(carry)
-        caches, all_logits, all_losses = [None] * len(self.suffix), [], []
+        caches, all_logits, all_losses = [block.initial_cache(n) for block in self.suffix], [], []
         for start in range(0, n, self.ttt_cfg.chunk_len):
             end = min(start + self.ttt_cfg.chunk_len, n)
             args = (
@@ -137,7 +140,7 @@ class ChunkedReader(nn.Module):
             )
             if not outer_grad:
                 logits, losses = (None if logits is None else logits.detach()), losses.detach()
-                caches = [(k.detach(), v.detach()) for k, v in caches]
+                caches = [detach_cache(cache) for cache in caches]
                 carry = self._detached(carry)
             all_logits.append(logits)
             all_losses.append(losses)
