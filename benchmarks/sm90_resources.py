@@ -13,10 +13,10 @@ replaced by a compile for the target (`triton.compile` with a `GPUTarget`: nothi
 output is computed), and prints one JSON line per compiled launch: the kernel, its compile-time
 flags, tiles, warps and stages; registers, stack bytes and the spill stores / loads in its SASS
 (`cuobjdump`, shipped with Triton); shared memory; its HGMMA instructions by shape, "SS" with both
-operands in shared memory, "RS" with the left one in registers; and whether a loop was warp-
-specialized (`ttg.warp_specialize` in the TTGIR); and its TMA copies (`cp.async.bulk.tensor` in the
-PTX: tensor-descriptor loads, the TMA_LOADS setting). Needs Triton's NVIDIA backend (Triton 3.6: the
-launch path it repeats is `JITFunction.run`'s) and must run without TRITON_INTERPRET. Strides
+operands in shared memory, "RS" with the left one in registers; and its TMA copies
+(`cp.async.bulk.tensor` in the PTX: tensor-descriptor loads, the TMA_LOADS setting). Needs Triton's
+NVIDIA backend (Triton 3.6: the launch path it repeats is `JITFunction.run`'s) and must run without
+TRITON_INTERPRET. Strides
 and alignment specialize as on the GPU for contiguous inputs; lengths do not specialize at all
 (`kernels._tiles.NO_SPECIALIZE`), so the small sizes compile what long sequences run.
 """
@@ -43,7 +43,7 @@ from kernels import tiling, triton_ops, validation
 STAGE_KERNELS = {"forward": ("forward",), "backward": ("backward_kv", "backward_q"),
                  "bob": ("bob_rows", "bob_cols"), "jvp": ("jvp",)}
 FLAGS = ("CAUSAL", "HAS_RANGE", "WANT_GQ", "WANT_GDO", "PK_LATE", "DO_IN_REGS", "Q_IN_REGS", "KEYS_IN_REGS",
-         "WARP_SPECIALIZE", "TMA_LOADS")
+         "TMA_LOADS")
 TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
@@ -69,8 +69,7 @@ def describe(compiled, kwargs: dict) -> dict:
             "regs": regs, "stack_bytes": stack, "spill_stores": len(re.findall(r"\bSTL\b", sass)),
             "spill_loads": len(re.findall(r"\bLDL\b", sass)), "shared_bytes": compiled.metadata.shared,
             "hgmma": dict(sorted(hgmma.items())),
-            "tma_copies": len(re.findall(r"cp\.async\.bulk\.tensor", compiled.asm["ptx"])),
-            "warp_specialized": "ttg.warp_specialize" in compiled.asm["ttgir"]}
+            "tma_copies": len(re.findall(r"cp\.async\.bulk\.tensor", compiled.asm["ptx"]))}
 
 
 class CompileOnly:

@@ -17,14 +17,10 @@ in the transposed (key, query) orientation so that every tile is already the lef
     K̄ = s*sum[G_S^T Q + dS^T U_Q],   V̄ = sum[G_dP^T dO],
     G_S = P*(W + G*(dP - delta) - c*dP - e),   G_dP = P*(G - c).
 Absent cotangents are compile-time flags (HAS_G = HAS_UQ or HAS_UK): their products are never issued.
-WARP_SPECIALIZE asks Triton to split each kernel's key (rows) or query (columns) loop into producer
-and consumer warps (`tl.range(warp_specialize=True)`, Hopper and newer); off by default, a
-setting for benchmarks/portable.py to measure. TMA_LOADS (off by default, the same kind of setting)
-reads every (rows, BLOCK_D) operand tile through a tensor descriptor (TMA on Hopper). With both on
-(BRANCH_FREE) the float32 row vectors are descriptor loads too (the epilogue's loads stay pointer
-loads) and every tile is masked without a branch: Triton 3.6's Hopper pass partitions nothing in a
-function with a branch that has an else part, and fails on a pointer load that its producer would
-issue (docs/kernel_notes.md, TMA).
+TMA_LOADS (off by default, a setting for benchmarks/portable.py to measure) reads every (rows,
+BLOCK_D) operand tile through a tensor descriptor (TMA on Hopper). Warp-specialised loops
+(`tl.range(warp_specialize=True)`) were measured wrong on an H200 with Triton 3.6 and are not offered
+(docs/kernel_notes.md, TMA).
 """
 
 import triton
@@ -38,13 +34,11 @@ from ._tiles import (
     load_key_range,
     load_rows,
     load_tile,
-    load_vector,
+    lse_log2,
     query_range,
     row_tile_needs_mask,
     store_tile,
     tile_source,
-    to_log2,
-    vector_source,
     visible,
     visible_t,
 )
@@ -59,7 +53,7 @@ def attention_bob_rows_kernel(
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_RANGE: tl.constexpr, HAS_UQ: tl.constexpr,
     HAS_UK: tl.constexpr, HAS_UV: tl.constexpr, HAS_G: tl.constexpr, WANT_GQ: tl.constexpr,
     WANT_GDO: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PK_LATE: tl.constexpr, DO_IN_REGS: tl.constexpr, Q_IN_REGS: tl.constexpr, TMA_LOADS: tl.constexpr,
 ):
     """One program: BLOCK_M query rows of one (batch, query head); writes Q̄, c, e (WANT_GQ) and
@@ -72,7 +66,6 @@ def attention_bob_rows_kernel(
     TMA_LOADS reads q, dO, u_q and the loop's k, u_v, v, u_k through tensor descriptors (`tile_source`)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    BRANCH_FREE: tl.constexpr = TMA_LOADS and WARP_SPECIALIZE
     b = (pid_bh // HEADS_Q).to(tl.int64)
     h = (pid_bh % HEADS_Q).to(tl.int64)
     hk = h // GROUP
@@ -103,10 +96,8 @@ def attention_bob_rows_kernel(
         q = in_registers(q, offs_m, N)
         if HAS_UQ:
             uq = in_registers(uq, offs_m, N)
-    lse2 = to_log2(load_vector(vector_source(Lse + row, N, BLOCK_M, BRANCH_FREE), start_m, offs_m, N,
-                               float("inf"), BRANCH_FREE))
-    delta = load_vector(vector_source(Delta + row, N, BLOCK_M, BRANCH_FREE), start_m, offs_m, N, 0.0,
-                        BRANCH_FREE)
+    lse2 = lse_log2(Lse + row, offs_m, N)
+    delta = tl.load(Delta + row + offs_m, mask=offs_m < N, other=0.0)
 
     acc_q = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)    # sum X K + dS U_K
     acc_pk = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)   # sum P K
@@ -114,15 +105,12 @@ def attention_bob_rows_kernel(
     c = tl.zeros([BLOCK_M], tl.float32)
     x_sum = tl.zeros([BLOCK_M], tl.float32)
     lo, hi = key_range(start_m, M, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW, HAS_RANGE, BLOCK_M, BLOCK_N)
-    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+    for start_n in tl.range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
         k = load_rows(k_src, start_n, offs_n, offs_d, skn, M, HEAD_DIM, TMA_LOADS)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         p = tl.exp2(s * qk_scale_log2 - lse2[:, None])
-        if BRANCH_FREE:
-            p = tl.where(visible(offs_m, offs_n, N, M, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW, HAS_RANGE),
-                         p, 0.0)
-        elif row_tile_needs_mask(start_m, start_n, M, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW,
+        if row_tile_needs_mask(start_m, start_n, M, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW,
                                  HAS_RANGE, BLOCK_M, BLOCK_N):
             seen = visible(offs_m, offs_n, N, M, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW, HAS_RANGE)
             p = tl.where(seen, p, 0.0)
@@ -195,19 +183,16 @@ def attention_bob_cols_kernel(
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_RANGE: tl.constexpr, HAS_UQ: tl.constexpr,
     HAS_UK: tl.constexpr, HAS_UV: tl.constexpr, HAS_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     KEYS_IN_REGS: tl.constexpr, TMA_LOADS: tl.constexpr,
 ):
     """One program: BLOCK_N keys of one (batch, kv head), summing over its GROUP query heads;
     writes K̄ and V̄. Grid (cdiv(M, BLOCK_N), B * Hkv). GK and GV share strides. Tiles are
     (BLOCK_N, BLOCK_M): the transposes of the rows kernel's. KEYS_IN_REGS keeps k, v, u_k and u_v,
     the left operands of the five recomputed products, in registers (`in_registers`). TMA_LOADS reads
-    k, v, u_k, u_v and the loop's q, dO, u_q through tensor descriptors (`tile_source`); the row
-    vectors (lse, e, delta, c) only with WARP_SPECIALIZE too (BRANCH_FREE: a 1-D descriptor's base,
-    row = (b, h) * N, is 16-byte aligned only when N is a multiple of 4)."""
+    k, v, u_k, u_v and the loop's q, dO, u_q through tensor descriptors (`tile_source`)."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    BRANCH_FREE: tl.constexpr = TMA_LOADS and WARP_SPECIALIZE
     b = (pid_bh // HEADS_KV).to(tl.int64)
     hk = (pid_bh % HEADS_KV).to(tl.int64)
     KS, KE = load_key_range(KeyRange, b, M, HAS_RANGE)
@@ -245,22 +230,14 @@ def attention_bob_cols_kernel(
             do_src = tile_source(DO + b * sdob + h * sdoh, sdon, N, HEAD_DIM, BLOCK_M, BLOCK_D, TMA_LOADS)
         if HAS_UQ:
             uq_src = tile_source(UQ + b * suqb + h * suqh, suqn, N, HEAD_DIM, BLOCK_M, BLOCK_D, TMA_LOADS)
-        lse_src = vector_source(Lse + row, N, BLOCK_M, BRANCH_FREE)
-        e_src = vector_source(E + row, N, BLOCK_M, BRANCH_FREE)
-        if HAS_G:
-            delta_src = vector_source(Delta + row, N, BLOCK_M, BRANCH_FREE)
-            c_src = vector_source(C + row, N, BLOCK_M, BRANCH_FREE)
-        for start_m in tl.range(lo, hi, BLOCK_M, warp_specialize=WARP_SPECIALIZE):
+        for start_m in tl.range(lo, hi, BLOCK_M):
             offs_m = start_m + offs_m0
             q = load_rows(q_src, start_m, offs_m, offs_d, sqn, N, HEAD_DIM, TMA_LOADS)
-            lse2 = to_log2(load_vector(lse_src, start_m, offs_m, N, float("inf"), BRANCH_FREE))
-            e = load_vector(e_src, start_m, offs_m, N, 0.0, BRANCH_FREE)
+            lse2 = lse_log2(Lse + row, offs_m, N)
+            e = tl.load(E + row + offs_m, mask=offs_m < N, other=0.0)
             st = tl.dot(k, tl.trans(q), input_precision=PRECISION)
             pt = tl.exp2(st * qk_scale_log2 - lse2[None, :])
-            if BRANCH_FREE:
-                seen = visible_t(offs_n, offs_m, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW, HAS_RANGE)
-                pt = tl.where(seen & (offs_m[None, :] < N), pt, 0.0)
-            elif col_tile_needs_mask(start_m, start_n, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW, HAS_RANGE,
+            if col_tile_needs_mask(start_m, start_n, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW, HAS_RANGE,
                                      BLOCK_M, BLOCK_N):
                 seen = visible_t(offs_n, offs_m, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW, HAS_RANGE)
                 pt = tl.where(seen, pt, 0.0)
@@ -270,8 +247,8 @@ def attention_bob_cols_kernel(
             if HAS_UV:
                 gpt = tl.dot(uv, tl.trans(do), gpt, input_precision=PRECISION)
             if HAS_G:
-                delta = load_vector(delta_src, start_m, offs_m, N, 0.0, BRANCH_FREE)
-                c = load_vector(c_src, start_m, offs_m, N, 0.0, BRANCH_FREE)
+                delta = tl.load(Delta + row + offs_m, mask=offs_m < N, other=0.0)
+                c = tl.load(C + row + offs_m, mask=offs_m < N, other=0.0)
                 dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
                 gt = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
                 if HAS_UQ:

@@ -181,33 +181,8 @@ def query_range(start_n, N, OFFSET, WINDOW, KS, KE, CAUSAL: tl.constexpr, HAS_WI
 @triton.jit
 def lse_log2(lse_ptr, offs_m, N):
     """Row log-sum-exp in base 2, +inf on rows that see no key (so exp2(s - lse) is 0 there)."""
-    return to_log2(tl.load(lse_ptr + offs_m, mask=offs_m < N, other=float("inf")))
-
-
-@triton.jit
-def to_log2(lse):
-    """Natural-log row log-sum-exps in base 2, -inf (rows that see no key) made +inf."""
+    lse = tl.load(lse_ptr + offs_m, mask=offs_m < N, other=float("inf"))
     return tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-
-
-@triton.jit
-def vector_source(base, n_rows, BLOCK: tl.constexpr, TMA: tl.constexpr):
-    """What `load_vector` reads (BLOCK,) pieces of the float32 vector base[0 : n_rows] from: a 1-D
-    tensor descriptor with TMA (base 16-byte aligned: the launcher checks), else base."""
-    if TMA:
-        return tl.make_tensor_descriptor(base, [n_rows], [1], [BLOCK])
-    else:
-        return base
-
-
-@triton.jit
-def load_vector(source, start, offs, n_rows, other, TMA: tl.constexpr):
-    """Elements offs = start + arange(BLOCK) of a `vector_source`: past n_rows `other` for pointer
-    loads, 0 for a descriptor (callers mask those rows themselves)."""
-    if TMA:
-        return source.load([start])
-    else:
-        return tl.load(source + offs, mask=offs < n_rows, other=other)
 
 
 @triton.jit

@@ -182,7 +182,7 @@ Their products (W, dP; S, G) then read one operand from shared memory, not two. 
 KEYS_IN_REGS, for k, v, u_k and u_v (S, G, dP, W)."""
 COLUMN_KERNELS = ("backward_kv", "bob_cols")
 """Kernels whose programs own BLOCK_N keys and loop over query tiles (the others own BLOCK_M rows)."""
-LAUNCH_ONLY = ("SPLIT", "WARP_SPECIALIZE", "TMA_LOADS", "KEYS_IN_REGS", *BOB_ROWS_VARIANTS)
+LAUNCH_ONLY = ("SPLIT", "TMA_LOADS", "KEYS_IN_REGS", *BOB_ROWS_VARIANTS)
 """Settings that are not tiles: `launch` remembers a fallback's tiles without them."""
 
 
@@ -316,7 +316,7 @@ def _memory_key(kernel: str, q: torch.Tensor, precision: str) -> tuple:
 def choose(kernel: str, q: torch.Tensor, **flags) -> dict:
     """Launch settings for `kernel` with inputs like q (B, H, N, D): BLOCK_M, BLOCK_N, BLOCK_D,
     num_warps, num_stages, for bob_rows SPLIT (two launches or one) and the `BOB_ROWS_VARIANTS`,
-    for both BoB kernels WARP_SPECIALIZE and TMA_LOADS (all off unless overridden). flags: the kernel's
+    for both BoB kernels TMA_LOADS (all off unless overridden). flags: the kernel's
     compile-time flags (HAS_UQ, ..., PRECISION), which the shared-memory estimate reads."""
     precision = flags.get("PRECISION", "ieee")
     remembered = _working.get(_memory_key(kernel, q, precision))
@@ -335,7 +335,6 @@ def choose(kernel: str, q: torch.Tensor, **flags) -> dict:
     if kernel == "bob_cols":
         cfg["KEYS_IN_REGS"] = False
     if kernel in BOB_KERNELS:
-        cfg.setdefault("WARP_SPECIALIZE", False)
         cfg.setdefault("TMA_LOADS", False)
     cfg.update(_overrides.get(kernel, {}))
     return cfg
@@ -399,13 +398,13 @@ def override(kernel: str, **settings):
     """Within the block, launch `kernel` with `settings` (e.g. BLOCK_M=128, num_warps=8, maxnreg=255
     (None: ptxas's own choice); for bob_rows
     also SPLIT=False, one launch, and the `BOB_ROWS_VARIANTS`; for bob_rows and bob_cols
-    WARP_SPECIALIZE=True and TMA_LOADS=True, the operand tiles through tensor descriptors)."""
+    TMA_LOADS=True, the operand tiles through tensor descriptors)."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     known = (("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "maxnreg")
              + (("SPLIT", *BOB_ROWS_VARIANTS) if kernel == "bob_rows" else ())
              + (("KEYS_IN_REGS",) if kernel == "bob_cols" else ())
-             + (("WARP_SPECIALIZE", "TMA_LOADS") if kernel in BOB_KERNELS else ()))
+             + (("TMA_LOADS",) if kernel in BOB_KERNELS else ()))
     unknown = sorted(set(settings) - set(known))
     if unknown:
         raise ValueError(f"override({kernel!r}) takes settings {known}, got {unknown}")

@@ -82,19 +82,14 @@ def _mask_args(causal: bool, window: int | None, n: int, m: int, key_range: torc
             "HAS_RANGE": key_range is not None}
 
 
-def _prepare_descriptors(kernel: str, cfg: dict, n: int, device: torch.device,
+def _prepare_descriptors(kernel: str, cfg: dict, device: torch.device,
                          tensors: dict[str, torch.Tensor]) -> None:
     """For a launch with cfg's TMA_LOADS, whose kernel builds tensor descriptors over `tensors` (name
-    -> (B, H, L, D), or lse (B, H, N)): check that each starts 16-byte aligned with batch, head and
-    row strides of whole 16-byte units (TMA's rule; ValueError otherwise). With WARP_SPECIALIZE too,
-    the kernel also reads its float32 row vectors (B, H, N) by descriptors, one per (batch, head) row
-    of n: n must be a multiple of 4. On CUDA give Triton an allocator for the descriptors' global
-    scratch (`triton.set_allocator`, replacing any other)."""
+    -> (B, H, L, D)): check that each starts 16-byte aligned with batch, head and row strides of whole
+    16-byte units (TMA's rule; ValueError otherwise). On CUDA give Triton an allocator for the
+    descriptors' global scratch (`triton.set_allocator`, replacing any other)."""
     if not cfg["TMA_LOADS"]:
         return
-    if cfg["WARP_SPECIALIZE"] and n % 4:
-        raise ValueError(f"the {kernel} settings TMA_LOADS with WARP_SPECIALIZE need the query length "
-                         f"to be a multiple of 4 (16-byte aligned rows of float32 row vectors), got {n}")
     for name, t in tensors.items():
         if t.data_ptr() % 16 or any(stride * t.element_size() % 16 for stride in t.stride()[:-1]):
             raise ValueError(
@@ -217,10 +212,9 @@ def bob(q, k, v, out, lse, dout, dq, u_q, u_k, u_v, *, causal: bool, window: int
         split, pk_late = cfg.pop("SPLIT"), cfg.pop("PK_LATE")
         do_regs, q_regs, q_regs_gq = (cfg.pop(name) for name in ("DO_IN_REGS", "Q_IN_REGS", "Q_IN_REGS_GQ"))
         pk_late = pk_late and split
-        _prepare_descriptors("bob_rows", cfg, n, q.device, {name: t for name, t, on in (
+        _prepare_descriptors("bob_rows", cfg, q.device, {name: t for name, t, on in (
             ("q", q, True), ("dout", dout, True), ("u_q", u_q, flags["HAS_UQ"]), ("k", k, True),
-            ("v", v, flags["HAS_G"]), ("u_k", u_k, flags["HAS_UK"]), ("u_v", u_v, flags["HAS_UV"]),
-            ("lse", lse, cfg["WARP_SPECIALIZE"])) if on})
+            ("v", v, flags["HAS_G"]), ("u_k", u_k, flags["HAS_UK"]), ("u_v", u_v, flags["HAS_UV"])) if on})
         # Q̄ with c and e first, then dŌ (in one launch where the accumulators fit the registers).
         # With PK_LATE the first launch leaves float32 partial sums of Q̄ and the row sums x behind.
         partial = _empty(q.shape, torch.float32, q.device) if pk_late else grad_q
@@ -241,10 +235,10 @@ def bob(q, k, v, out, lse, dout, dq, u_q, u_k, u_v, *, causal: bool, window: int
         return max(compiled, key=lambda c: getattr(getattr(c, "metadata", None), "shared", 0))
 
     def run_cols(cfg):
-        _prepare_descriptors("bob_cols", cfg, n, q.device, {name: t for name, t, on in (
+        _prepare_descriptors("bob_cols", cfg, q.device, {name: t for name, t, on in (
             ("q", q, True), ("dout", dout, flags["HAS_UV"] or flags["HAS_G"]), ("u_q", u_q, flags["HAS_UQ"]),
             ("k", k, True), ("v", v, flags["HAS_G"]), ("u_k", u_k, flags["HAS_UK"]),
-            ("u_v", u_v, flags["HAS_UV"]), ("lse", lse, cfg["WARP_SPECIALIZE"])) if on})
+            ("u_v", u_v, flags["HAS_UV"])) if on})
         return _start(attention_bob_cols_kernel, (triton.cdiv(m, cfg["BLOCK_N"]), batch * heads_kv))(
             q, k, v, dout, u_q_, u_k_, u_v_, lse, delta, row_c, row_e, grad_k, grad_v,
             *_strides(q), *_strides(k), *_strides(v), *_strides(dout),

@@ -162,14 +162,6 @@ def test_bob_rows_in_one_or_two_launches(case, split):
         test_stages_match_float64(case, torch.float32)
 
 
-@pytest.mark.many_compiles
-def test_bob_with_warp_specialized_loops():
-    """The WARP_SPECIALIZE setting of both BoB kernels (a benchmark option; the interpreter runs the
-    loops as written, so this checks the code around them)."""
-    with tiling.override("bob_rows", WARP_SPECIALIZE=True), tiling.override("bob_cols", WARP_SPECIALIZE=True):
-        test_stages_match_float64(Case(1, 2, 1, 37, 45, 80, causal=True), torch.float32)
-
-
 BOB_VARIANTS = {  # the launch-setting variants benchmarks/portable.py measures against the default
     "pk_late": ("bob_rows", dict(SPLIT=True, PK_LATE=True)),
     "all_regs": ("bob_rows", dict(SPLIT=True, PK_LATE=True, DO_IN_REGS=True, Q_IN_REGS=True,
@@ -223,42 +215,19 @@ def test_bob_launch_variants_with_partial_cotangents(variant, present):
         test_bob_with_partial_cotangents(CASES[1], present)
 
 
-TMA_WS = dict(TMA_LOADS=True, WARP_SPECIALIZE=True)
-"""Both settings at once: the kernels then also read their row vectors by descriptors and mask every
-tile (no branch in the loop: Triton 3.6 warp-specializes nothing on Hopper otherwise)."""
-
-
 @pytest.mark.many_compiles
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize(
     "case", [Case(2, 4, 2, 44, 37, 48, causal=True), Case(1, 4, 2, 44, 37, 80, causal=True, window=20)],
     ids=lambda c: c.id,
 )
-def test_bob_with_tma_loads_and_warp_specialized_loops(case, dtype):
-    """TMA_LOADS with WARP_SPECIALIZE in both BoB kernels (their Hopper pairing) on GQA, ragged key
-    counts, head dims 48 and 80 padded to 64 and 128 (one and two rows launches), causal and window;
-    in float16 too (on CUDA bfloat16 replaces the interpreter's float32: the dtype they are for)."""
+def test_bob_with_tma_loads_in_both_kernels(case, dtype):
+    """TMA_LOADS in both BoB kernels at once on GQA, ragged key counts, head dims 48 and 80 padded to
+    64 and 128 (one and two rows launches), causal and window; in float16 too (on CUDA bfloat16
+    replaces the interpreter's float32: the dtype they are for)."""
     dtype = torch.bfloat16 if DEVICE == "cuda" and dtype == torch.float32 else dtype
-    with tiling.override("bob_rows", **TMA_WS), tiling.override("bob_cols", **TMA_WS):
+    with tiling.override("bob_rows", TMA_LOADS=True), tiling.override("bob_cols", TMA_LOADS=True):
         test_stages_match_float64(case, dtype)
-
-
-@pytest.mark.many_compiles
-@pytest.mark.parametrize("present", SUBSETS, ids="+".join)
-def test_bob_with_tma_loads_and_warp_specialized_loops_partial(present):
-    with tiling.override("bob_rows", **TMA_WS), tiling.override("bob_cols", **TMA_WS):
-        test_bob_with_partial_cotangents(CASES[5], present)
-
-
-def test_tma_loads_with_warp_specialize_refuse_ragged_query_length():
-    """Row vectors by descriptors need 16-byte aligned rows: a query length not a multiple of 4 is
-    refused with an error naming the settings."""
-    q, k, v, dout, u_q, u_k, u_v = make_inputs(Case(1, 2, 1, 37, 40, 32))
-    out, lse = triton_ops.forward(q, k, v, causal=False, window=None, scale=1.0)
-    dq, _, _ = triton_ops.backward(q, k, v, out, lse, dout, causal=False, window=None, scale=1.0)
-    with pytest.raises(ValueError, match="TMA_LOADS with WARP_SPECIALIZE need the query length .* got 37"), \
-            tiling.override("bob_rows", **TMA_WS):
-        triton_ops.bob(q, k, v, out, lse, dout, dq, u_q, u_k, u_v, causal=False, window=None, scale=1.0)
 
 
 def test_tma_loads_refuse_unaligned_rows():
