@@ -13,6 +13,7 @@ from ttt.meta import TaskDataModule
 from ttt.models import Transformer, TransformerConfig
 from ttt.text.corpus import TextDataConfig, split_windows
 from ttt.text.long_context import LongContextEvalConfig
+from ttt.text.passkey import PasskeyMix
 from ttt.text.tokenizer import load_tokenizer
 from ttt.ttt_layers import TTTConfig, TTTTransformer
 
@@ -37,13 +38,17 @@ class Config(RecipeConfig):
 
 def build_data(cfg: Config, tokenizer) -> TaskDataModule:
     """Token windows of the corpus's train / val / test documents, batched as the trainer section says:
-    batches {"tokens": (meta_batch_size, seq_len)}."""
+    batches {"tokens": (meta_batch_size, seq_len)}. With data.passkey_fraction > 0 that fraction of the
+    training rows are passkey sequences with eval.passkey_digits digits (the evaluation's; its default
+    in recipes without an eval section)."""
     windows = split_windows(cfg.data, tokenizer)
-    return TaskDataModule.from_trainer(
-        {split: windows_of_split.sample for split, windows_of_split in windows.items()},
-        seed=cfg.seed,
-        trainer=cfg.trainer,
-    )
+    samples = {split: windows_of_split.sample for split, windows_of_split in windows.items()}
+    if cfg.data.passkey_fraction:
+        digits = getattr(cfg, "eval", LongContextEvalConfig()).passkey_digits
+        samples["train"] = PasskeyMix(
+            samples["train"], cfg.data.passkey_fraction, tokenizer, cfg.data.seq_len, digits
+        )
+    return TaskDataModule.from_trainer(samples, seed=cfg.seed, trainer=cfg.trainer)
 
 
 def build_learner(cfg: Config, model: TTTTransformer, tokenizer) -> TTTLanguageLearner:

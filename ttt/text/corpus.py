@@ -44,6 +44,10 @@ class TextDataConfig:
     """Use at most this many documents (every k-th, evenly spread); null: all."""
     held_out_every: int = 10
     """Documents i with i % held_out_every == 0 are validation, == 1 are test; the rest train."""
+    passkey_fraction: float = 0.0
+    """This fraction of the training windows (train split only, drawn per row) are passkey sequences of
+    seq_len tokens instead (`ttt.text.passkey.PasskeyMix`, eval.passkey_digits digits): it rewards
+    retrieval beyond the attention window. 0: plain text windows; validation and test are always text."""
 
     def __post_init__(self):
         if self.seq_len < 2:
@@ -52,6 +56,8 @@ class TextDataConfig:
             raise ValueError(f"data.max_documents must be >= 3 or null, got {self.max_documents}")
         if self.held_out_every < 3:
             raise ValueError(f"data.held_out_every must be >= 3, got {self.held_out_every}")
+        if not 0 <= self.passkey_fraction <= 1:
+            raise ValueError(f"data.passkey_fraction must be in [0, 1], got {self.passkey_fraction}")
 
 
 def corpus_files(corpus: str) -> list[str]:

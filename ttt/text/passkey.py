@@ -1,7 +1,10 @@
 """Passkey retrieval (needs no data): a key hidden at a random depth in repetitive filler, asked for at
-the end. Scored on the answer tokens only, teacher-forced: exact when every answer token is the argmax."""
+the end. Scored on the answer tokens only, teacher-forced: exact when every answer token is the argmax.
+`PasskeyMix` puts passkey sequences into a training stream (data.passkey_fraction)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 
@@ -40,3 +43,41 @@ def sample_passkey(
     answer_mask = np.zeros(length, dtype=bool)
     answer_mask[length - len(answer) - 1 : length - 1] = True
     return {"tokens": tokens, "answer_mask": answer_mask}
+
+
+class PasskeyMix:
+    """A training sampler: `sample`'s windows, a `fraction` of them replaced by passkey sequences of the
+    same length (data.passkey_fraction), trained on with the ordinary next-token loss over the whole
+    sequence, so that retrieving the key from far back is rewarded.
+
+    Each call draws the window first and then, with probability `fraction`, replaces it by
+    sample_passkey(tokenizer, length, digits, rng) (its tokens only), all from the one generator: a row
+    depends on its generator alone, and the windows kept are exactly those `sample` gives alone.
+    """
+
+    def __init__(
+        self,
+        sample: Callable[[np.random.Generator], dict[str, np.ndarray]],
+        fraction: float,
+        tokenizer: Tokenizer,
+        length: int,
+        digits: int,
+    ):
+        if not 0 < fraction <= 1:
+            raise ValueError(f"data.passkey_fraction must be in (0, 1] to mix in passkeys, got {fraction}")
+        try:
+            sample_passkey(tokenizer, length, digits, np.random.default_rng(0))
+        except ValueError as error:
+            raise ValueError(
+                f"data.passkey_fraction={fraction} needs a passkey sequence in data.seq_len={length} tokens "
+                f"({error}); raise data.seq_len or set data.passkey_fraction=0"
+            ) from None
+        self.sample, self.fraction, self.tokenizer = sample, fraction, tokenizer
+        self.length, self.digits = length, digits
+
+    def __call__(self, rng: np.random.Generator) -> dict[str, np.ndarray]:
+        """{"tokens": (length,) int64}: a window of `sample`, or a passkey sequence."""
+        window = self.sample(rng)
+        if rng.random() >= self.fraction:
+            return window
+        return {"tokens": sample_passkey(self.tokenizer, self.length, self.digits, rng)["tokens"]}
