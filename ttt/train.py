@@ -37,6 +37,7 @@ from ttt.tracking import (
     DivergenceGuard,
     EpochEndCheckpoint,
     LogStepAlignment,
+    LossSpikeWatch,
     OuterStepTimer,
     RunPaths,
     atomic_write_text,
@@ -176,10 +177,13 @@ def check_accelerator(cfg: RecipeConfig) -> None:
         )
 
 
-def make_trainer(cfg: RecipeConfig, paths: RunPaths, timer: OuterStepTimer) -> pl.Trainer:
+def make_trainer(
+    cfg: RecipeConfig, paths: RunPaths, timer: OuterStepTimer, spikes: LossSpikeWatch | None = None
+) -> pl.Trainer:
     """The Lightning Trainer of a run: epochs of trainer.steps_per_epoch outer steps, validation and
     an atomic last.ckpt after each epoch, CSV (and TensorBoard) logs in the run directory. With
-    several devices, Lightning's DDP strategy (gloo on CPU, NCCL on GPUs)."""
+    several devices, Lightning's DDP strategy (gloo on CPU, NCCL on GPUs). spikes: the run's
+    loss-spike watch (a new one if None)."""
     tc = cfg.trainer
     strategy = "auto"
     if tc.strategy == "ddp" or tc.devices > 1:
@@ -204,6 +208,7 @@ def make_trainer(cfg: RecipeConfig, paths: RunPaths, timer: OuterStepTimer) -> p
         # The guard runs before the checkpoint callback: a diverged epoch end raises before it is saved.
         callbacks=[
             DivergenceGuard(paths.last_checkpoint, cfg.inner_step_keys),
+            spikes if spikes is not None else LossSpikeWatch(inner_keys=cfg.inner_step_keys),
             EpochEndCheckpoint(paths.last_checkpoint),
             LogStepAlignment(),
             timer,
@@ -228,7 +233,8 @@ def run(
     Returns the summary: test figures without their "test/" prefix (query_loss_unadapted,
     query_loss_adapted, query_acc_* where the task has an accuracy, ...), time_per_outer_step_s
     (mean after the first step of this session), first_outer_step_s, peak_memory_gib (CUDA only,
-    else None), outer_steps, wall_time_s, run_dir; and the learner's own `summary_figures()`.
+    else None), outer_steps, loss_spike_steps (where `LossSpikeWatch` warned), wall_time_s, run_dir;
+    and the learner's own `summary_figures()`.
     """
     from recipes import load_builder
 
@@ -247,7 +253,8 @@ def run(
     if rank_zero_only.rank == 0:
         atomic_write_text(paths.config, to_yaml(cfg))
     timer = OuterStepTimer()
-    trainer = make_trainer(cfg, paths, timer)
+    spikes = LossSpikeWatch(inner_keys=cfg.inner_step_keys)
+    trainer = make_trainer(cfg, paths, timer, spikes)
     # Lightning restores a checkpoint before it casts the module to the precision's dtype: cast first,
     # or a float64 run would resume from float32-rounded parameters.
     module = trainer.strategy.precision_plugin.convert_module(module)
@@ -266,6 +273,7 @@ def run(
         training_time_s=timer.training_seconds(),
         first_outer_step_s=timer.first_outer_step(),
         peak_memory_gib=timer.peak_memory_gib,
+        loss_spike_steps=spikes.spike_steps(),
         wall_time_s=time.perf_counter() - start,
         run_dir=str(paths.root),
     )

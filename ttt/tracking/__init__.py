@@ -1,11 +1,12 @@
-"""Run directories, atomic files, checkpoints and their loader, outer-step timing, the divergence guard,
-and the end-of-run summary and figures."""
+"""Run directories, atomic files, checkpoints and their loader, outer-step timing, the divergence guard
+and the loss-spike watch, and the end-of-run summary and figures."""
 
 from .atomic import AtomicCheckpointIO, atomic_write_text
 from .checkpoint_file import CheckpointError, check_resumable, load_checkpoint
 from .checkpointing import EpochEndCheckpoint, LogStepAlignment
 from .directory import RunPaths, new_run_dir, resolve_resume
 from .divergence import DivergenceError, DivergenceGuard
+from .loss_spikes import LossSpikeWatch
 from .report import write_run_report
 from .summary import format_summary_table, write_summary
 from .timing import OuterStepTimer
@@ -17,6 +18,7 @@ __all__ = [
     "DivergenceGuard",
     "EpochEndCheckpoint",
     "LogStepAlignment",
+    "LossSpikeWatch",
     "OuterStepTimer",
     "RunPaths",
     "atomic_write_text",
