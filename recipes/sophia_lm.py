@@ -46,6 +46,11 @@ def build(cfg: Config) -> tuple[OptimizerComparisonLearner, TaskDataModule]:
             "trainer.precision=16-mixed is not supported by sophia_lm: the baseline optimizer is stepped "
             "by the learner, outside Lightning's gradient scaler; use bf16-mixed"
         )
+    if cfg.data.passkey_answer_weight != 1:
+        raise ValueError(
+            f"data.passkey_answer_weight={cfg.data.passkey_answer_weight} is not supported by sophia_lm: "
+            "its learner takes the plain mean next-token loss; leave it at 1"
+        )
     data = build_data(cfg, tokenizer)
     learner = OptimizerComparisonLearner(
         Transformer(cfg.model), cfg.optim, cfg.compare, cfg.schedule_steps, seed=cfg.seed

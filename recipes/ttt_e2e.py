@@ -40,13 +40,15 @@ def build_data(cfg: Config, tokenizer) -> TaskDataModule:
     """Token windows of the corpus's train / val / test documents, batched as the trainer section says:
     batches {"tokens": (meta_batch_size, seq_len)}. With data.passkey_fraction > 0 that fraction of the
     training rows are passkey sequences with eval.passkey_digits digits (the evaluation's; its default
-    in recipes without an eval section)."""
+    in recipes without an eval section); with data.passkey_answer_weight != 1 the training batches also
+    carry "loss_weight" (meta_batch_size, seq_len - 1), the weight of each next-token loss."""
     windows = split_windows(cfg.data, tokenizer)
     samples = {split: windows_of_split.sample for split, windows_of_split in windows.items()}
     if cfg.data.passkey_fraction:
         digits = getattr(cfg, "eval", LongContextEvalConfig()).passkey_digits
         samples["train"] = PasskeyMix(
-            samples["train"], cfg.data.passkey_fraction, tokenizer, cfg.data.seq_len, digits
+            samples["train"], cfg.data.passkey_fraction, tokenizer, cfg.data.seq_len, digits,
+            answer_weight=cfg.data.passkey_answer_weight,
         )
     return TaskDataModule.from_trainer(samples, seed=cfg.seed, trainer=cfg.trainer)
 

@@ -126,3 +126,66 @@ def test_tiny_ttt_e2e_trains_on_a_passkey_mix(corpus, tmp_path):
     summary = json.loads((tmp_path / "mix" / "summary.json").read_text())
     assert summary["outer_steps"] == 2 and np.isfinite(summary["query_loss_adapted"])
     assert "passkey_exact_120_adapted" in summary
+
+
+def test_answer_weight_marks_the_positions_that_predict_the_key(corpus):
+    """data.passkey_answer_weight: every training row carries loss_weight (seq_len - 1,), the weight where
+    a passkey row's position predicts a key token and 1 elsewhere; the tokens are those of the unweighted
+    mix; validation and test carry none."""
+    cfg = _config(corpus, "data.passkey_fraction=0.5", "data.passkey_answer_weight=50")
+    data = build_data(cfg, ByteTokenizer())
+    batches = list(data.train_dataloader())
+    tokens = torch.cat([batch["tokens"] for batch in batches]).numpy()
+    weights = torch.cat([batch["loss_weight"] for batch in batches]).numpy()
+    assert weights.shape == (400, SEQ_LEN - 1) and weights.dtype == np.float32
+    np.testing.assert_array_equal(tokens, _train_rows(corpus, "data.passkey_fraction=0.5"))
+    for row, weight in zip(tokens, weights):
+        heavy = np.flatnonzero(weight != 1)
+        if PASSKEY_ROW.search(_text(row)):
+            assert list(heavy) == list(range(SEQ_LEN - 6, SEQ_LEN - 1)) and (weight[heavy] == 50).all()
+            assert _text(row[heavy + 1]) == _text(row)[-5:]  # the positions predict the key's digits
+        else:
+            assert heavy.size == 0
+    assert "loss_weight" not in next(iter(data.val_dataloader()))
+
+
+def test_the_outer_loss_is_each_rows_weighted_mean():
+    """TTTLanguageLearner.pass_loss with loss_weight: the weighted mean of each row's next-token losses,
+    summed over rows and divided by the batch size; without it, the plain mean."""
+    from ttt.learners.ttt_language_model import TTTLanguageLearner
+
+    losses = torch.tensor([[1.0, 2.0, 3.0], [4.0, 4.0, 10.0]])
+    model = SimpleNamespace(token_losses=lambda tokens, lr_scale: losses,
+                            ttt_cfg=SimpleNamespace(lr_scale=lambda step: 1.0, sequences_per_pass=None))
+    learner = SimpleNamespace(model=model, inner_lr_scale=lambda: 1.0)
+    weight = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 4.0]])
+    loss, _ = TTTLanguageLearner.pass_loss(learner, {"tokens": None, "loss_weight": weight}, batch_size=4)
+    assert loss.item() == pytest.approx((2.0 + (4 + 4 + 40) / 6) / 4)
+    plain, _ = TTTLanguageLearner.pass_loss(learner, {"tokens": None}, batch_size=4)
+    assert plain.item() == pytest.approx((2.0 + 6.0) / 4)
+    passes = TTTLanguageLearner.split_passes(learner, {"tokens": torch.zeros(2, 4), "loss_weight": weight})
+    assert len(passes) == 1 and set(passes[0]) == {"tokens", "loss_weight"}
+
+
+def test_bad_answer_weights_name_the_key(corpus):
+    with pytest.raises(ValueError, match="data.passkey_answer_weight must be > 0"):
+        TextDataConfig(passkey_fraction=0.5, passkey_answer_weight=0)
+    with pytest.raises(ValueError, match="data.passkey_answer_weight=10 weights passkey rows.*fraction is 0"):
+        TextDataConfig(passkey_answer_weight=10)
+    with pytest.raises(ValueError, match="data.passkey_answer_weight=10.0 is not supported by sophia_lm"):
+        from recipes import load_builder
+
+        load_builder("sophia_lm").build(
+            _config(corpus, "data.passkey_fraction=0.5", "data.passkey_answer_weight=10", recipe="sophia_lm")
+        )
+
+
+def test_tiny_ttt_e2e_trains_with_weighted_answers(corpus, tmp_path):
+    overrides = [
+        "recipe=ttt_e2e", f"data.corpus={corpus}", *TINY_TEXT, *TINY_TRAINER, f"run.root={tmp_path}",
+        "run.name=weighted", f"data.seq_len={SEQ_LEN}", "data.passkey_fraction=0.5",
+        "data.passkey_answer_weight=100",
+    ]  # fmt: skip
+    assert main(overrides) == 0
+    summary = json.loads((tmp_path / "weighted" / "summary.json").read_text())
+    assert summary["outer_steps"] == 2 and np.isfinite(summary["query_loss_adapted"])

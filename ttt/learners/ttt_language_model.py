@@ -29,7 +29,8 @@ from ttt.ttt_layers import TransformersTTTReader, TTTTransformer
 
 
 class TTTLanguageLearner(OuterLearner):
-    """Batches are {"tokens": (B, N) int64}; each sequence adapts its own fast weights, and
+    """Batches are {"tokens": (B, N) int64} (training batches may add "loss_weight" (B, N - 1) float32);
+    each sequence adapts its own fast weights, and
     ttt.sequences_per_pass of them are read side by side (a pass of the outer step)."""
 
     progress_metric = "loss"
@@ -55,11 +56,11 @@ class TTTLanguageLearner(OuterLearner):
         return self.model.initial_fast_weights()
 
     def split_passes(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-        """A batch {"tokens": (B, N)} -> the passes {"tokens": (P, N)}, P = ttt.sequences_per_pass rows
-        each (the last may have fewer)."""
-        tokens = batch["tokens"]
-        per_pass = self.model.ttt_cfg.sequences_per_pass or len(tokens)
-        return [{"tokens": rows} for rows in tokens.split(per_pass)]
+        """A batch {"tokens": (B, N)} (and "loss_weight" (B, N - 1) where the data weights positions) ->
+        the passes, P = ttt.sequences_per_pass rows each (the last may have fewer)."""
+        per_pass = self.model.ttt_cfg.sequences_per_pass or len(batch["tokens"])
+        parts = {name: value.split(per_pass) for name, value in batch.items()}
+        return [dict(zip(parts, rows)) for rows in zip(*parts.values())]
 
     def inner_lr_scale(self) -> float:
         """Inner learning-rate warm-up factor at the current outer step."""
@@ -88,10 +89,15 @@ class TTTLanguageLearner(OuterLearner):
     def pass_loss(
         self, rows: dict[str, torch.Tensor], batch_size: int
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The mean next-token loss of each sequence of the pass, read with test-time training, summed and
-        divided by batch_size (the pass's share of the batch mean); logged as train/loss."""
+        """The mean next-token loss of each sequence of the pass (weighted by rows["loss_weight"] where
+        given: data.passkey_answer_weight), read with test-time training, summed and divided by
+        batch_size (the pass's share of the batch mean); logged as train/loss."""
         losses = self.model.token_losses(rows["tokens"], lr_scale=self.inner_lr_scale())
-        loss = losses.mean(1).sum() / batch_size
+        if "loss_weight" in rows:
+            weight = rows["loss_weight"].to(losses.dtype)
+            loss = ((losses * weight).sum(1) / weight.sum(1)).sum() / batch_size
+        else:
+            loss = losses.mean(1).sum() / batch_size
         return loss, {"loss": loss.detach()}
 
     def step_metrics(self) -> dict[str, float]:

@@ -48,6 +48,10 @@ class TextDataConfig:
     """This fraction of the training windows (train split only, drawn per row) are passkey sequences of
     seq_len tokens instead (`ttt.text.passkey.PasskeyMix`, eval.passkey_digits digits): it rewards
     retrieval beyond the attention window. 0: plain text windows; validation and test are always text."""
+    passkey_answer_weight: float = 1.0
+    """Weight of a passkey row's answer positions (the key's tokens) in its next-token loss, against 1
+    for every other position; the row's loss is then the weighted mean. Above 1 it concentrates the
+    passkey rows' gradient on retrieval; 1: the plain mean. Needs data.passkey_fraction > 0."""
 
     def __post_init__(self):
         if self.seq_len < 2:
@@ -58,6 +62,14 @@ class TextDataConfig:
             raise ValueError(f"data.held_out_every must be >= 3, got {self.held_out_every}")
         if not 0 <= self.passkey_fraction <= 1:
             raise ValueError(f"data.passkey_fraction must be in [0, 1], got {self.passkey_fraction}")
+        if not self.passkey_answer_weight > 0:
+            raise ValueError(f"data.passkey_answer_weight must be > 0, got {self.passkey_answer_weight}")
+        if self.passkey_answer_weight != 1 and not self.passkey_fraction:
+            raise ValueError(
+                f"data.passkey_answer_weight={self.passkey_answer_weight} weights passkey rows, but "
+                "data.passkey_fraction is 0 (no passkey rows): set data.passkey_fraction > 0 or leave the "
+                "weight at 1"
+            )
 
 
 def corpus_files(corpus: str) -> list[str]:

@@ -47,12 +47,15 @@ def sample_passkey(
 
 class PasskeyMix:
     """A training sampler: `sample`'s windows, a `fraction` of them replaced by passkey sequences of the
-    same length (data.passkey_fraction), trained on with the ordinary next-token loss over the whole
-    sequence, so that retrieving the key from far back is rewarded.
+    same length (data.passkey_fraction), trained on with the next-token loss over the whole sequence,
+    so that retrieving the key from far back is rewarded.
 
     Each call draws the window first and then, with probability `fraction`, replaces it by
-    sample_passkey(tokenizer, length, digits, rng) (its tokens only), all from the one generator: a row
-    depends on its generator alone, and the windows kept are exactly those `sample` gives alone.
+    sample_passkey(tokenizer, length, digits, rng), all from the one generator: a row depends on its
+    generator alone, and the windows kept are exactly those `sample` gives alone. With answer_weight
+    != 1 (data.passkey_answer_weight) every row also carries "loss_weight" (length - 1,) float32, the
+    weight of each next-token loss: answer_weight where a passkey row's position predicts an answer
+    token, 1 elsewhere (text rows: all 1).
     """
 
     def __init__(
@@ -62,9 +65,12 @@ class PasskeyMix:
         tokenizer: Tokenizer,
         length: int,
         digits: int,
+        answer_weight: float = 1.0,
     ):
         if not 0 < fraction <= 1:
             raise ValueError(f"data.passkey_fraction must be in (0, 1] to mix in passkeys, got {fraction}")
+        if not answer_weight > 0:
+            raise ValueError(f"data.passkey_answer_weight must be > 0, got {answer_weight}")
         try:
             sample_passkey(tokenizer, length, digits, np.random.default_rng(0))
         except ValueError as error:
@@ -73,11 +79,18 @@ class PasskeyMix:
                 f"({error}); raise data.seq_len or set data.passkey_fraction=0"
             ) from None
         self.sample, self.fraction, self.tokenizer = sample, fraction, tokenizer
-        self.length, self.digits = length, digits
+        self.length, self.digits, self.answer_weight = length, digits, answer_weight
 
     def __call__(self, rng: np.random.Generator) -> dict[str, np.ndarray]:
-        """{"tokens": (length,) int64}: a window of `sample`, or a passkey sequence."""
+        """{"tokens": (length,) int64}, and "loss_weight" (length - 1,) float32 with an answer weight:
+        a window of `sample`, or a passkey sequence."""
         window = self.sample(rng)
         if rng.random() >= self.fraction:
-            return window
-        return {"tokens": sample_passkey(self.tokenizer, self.length, self.digits, rng)["tokens"]}
+            if self.answer_weight == 1:
+                return window
+            return {**window, "loss_weight": np.ones(self.length - 1, dtype=np.float32)}
+        passkey = sample_passkey(self.tokenizer, self.length, self.digits, rng)
+        if self.answer_weight == 1:
+            return {"tokens": passkey["tokens"]}
+        weight = np.where(passkey["answer_mask"][:-1], self.answer_weight, 1.0).astype(np.float32)
+        return {"tokens": passkey["tokens"], "loss_weight": weight}
