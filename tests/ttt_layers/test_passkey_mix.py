@@ -168,8 +168,9 @@ def test_the_outer_loss_is_each_rows_weighted_mean():
 
 
 def test_bad_answer_weights_name_the_key(corpus):
-    with pytest.raises(ValueError, match="data.passkey_answer_weight must be > 0"):
-        TextDataConfig(passkey_fraction=0.5, passkey_answer_weight=0)
+    for bad in (0, -1, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="data.passkey_answer_weight must be a finite number > 0"):
+            TextDataConfig(passkey_fraction=0.5, passkey_answer_weight=bad)
     with pytest.raises(ValueError, match="data.passkey_answer_weight=10 weights passkey rows.*fraction is 0"):
         TextDataConfig(passkey_answer_weight=10)
     with pytest.raises(ValueError, match="data.passkey_answer_weight=10.0 is not supported by sophia_lm"):

@@ -10,6 +10,7 @@ Other corpora: a file, a directory or a glob of .txt / .md / .py (one document p
 from __future__ import annotations
 
 import glob
+import math
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,8 +63,10 @@ class TextDataConfig:
             raise ValueError(f"data.held_out_every must be >= 3, got {self.held_out_every}")
         if not 0 <= self.passkey_fraction <= 1:
             raise ValueError(f"data.passkey_fraction must be in [0, 1], got {self.passkey_fraction}")
-        if not self.passkey_answer_weight > 0:
-            raise ValueError(f"data.passkey_answer_weight must be > 0, got {self.passkey_answer_weight}")
+        if not 0 < self.passkey_answer_weight < math.inf:
+            raise ValueError(
+                f"data.passkey_answer_weight must be a finite number > 0, got {self.passkey_answer_weight}"
+            )
         if self.passkey_answer_weight != 1 and not self.passkey_fraction:
             raise ValueError(
                 f"data.passkey_answer_weight={self.passkey_answer_weight} weights passkey rows, but "

@@ -69,8 +69,8 @@ class PasskeyMix:
     ):
         if not 0 < fraction <= 1:
             raise ValueError(f"data.passkey_fraction must be in (0, 1] to mix in passkeys, got {fraction}")
-        if not answer_weight > 0:
-            raise ValueError(f"data.passkey_answer_weight must be > 0, got {answer_weight}")
+        if not 0 < answer_weight < float("inf"):
+            raise ValueError(f"data.passkey_answer_weight must be a finite number > 0, got {answer_weight}")
         try:
             sample_passkey(tokenizer, length, digits, np.random.default_rng(0))
         except ValueError as error:
