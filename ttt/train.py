@@ -255,6 +255,10 @@ def run(
     timer = OuterStepTimer()
     spikes = LossSpikeWatch(inner_keys=cfg.inner_step_keys)
     trainer = make_trainer(cfg, paths, timer, spikes)
+    # config.yaml holds the latest session's config; each session's own goes beside its metrics
+    # (logs/version_N/hparams.yaml), so a run resumed with other keys (a short-then-long context
+    # schedule) keeps its history.
+    trainer.loggers[0].log_hyperparams(yaml.safe_load(to_yaml(cfg)))
     # Lightning restores a checkpoint before it casts the module to the precision's dtype: cast first,
     # or a float64 run would resume from float32-rounded parameters.
     module = trainer.strategy.precision_plugin.convert_module(module)

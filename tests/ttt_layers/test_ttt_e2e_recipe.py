@@ -5,6 +5,7 @@ import csv
 import json
 
 import pytest
+import yaml
 from tiny_configs import TINY_TEXT, TINY_TRAINER, write_tiny_corpus
 
 from ttt.config import load_config
@@ -77,3 +78,28 @@ def test_ttt_divergence_names_the_pass_and_stops(tiny_ttt_e2e, tmp_path, capsys)
     assert "diverged at outer step" in err and "train/loss = " in err and "inner.lr" in err
     assert "loss non-finite in" in err and "passes" in err
     assert not (tmp_path / "runs" / "nan" / "checkpoints" / "last.ckpt").exists()
+
+
+def test_a_run_trained_short_continues_at_a_longer_context(tiny_ttt_e2e, tmp_path):
+    """The short-then-long context schedule: resume with a longer data.seq_len (fewer rows per step, so
+    the same bytes per step); the weights, optimizer and lr schedule carry over, and each session's own
+    config stays beside its metrics."""
+    short = [
+        *tiny_ttt_e2e,
+        "run.name=ext",
+        "data.seq_len=32",
+        "trainer.meta_batch_size=4",
+        "optim.schedule_steps=4",
+    ]
+    assert main(short) == 0
+    run = tmp_path / "runs" / "ext"
+    assert main([f"resume={run}", "data.seq_len=64", "trainer.meta_batch_size=2", "trainer.max_steps=4"]) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["outer_steps"] == 4
+    sessions = [
+        yaml.safe_load((run / "logs" / v / "hparams.yaml").read_text()) for v in ("version_0", "version_1")
+    ]
+    assert [(s["data"]["seq_len"], s["trainer"]["meta_batch_size"]) for s in sessions] == [(32, 4), (64, 2)]
+    assert yaml.safe_load((run / "config.yaml").read_text()) == sessions[1]
+    rows = list(csv.DictReader((run / "loss_by_position.csv").open()))
+    assert rows[-1]["end"] == "63", "the test after the long session reads the long windows"
