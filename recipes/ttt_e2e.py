@@ -11,7 +11,8 @@ from ttt.inner import InnerLoopConfig
 from ttt.learners.ttt_language_model import TTTLanguageLearner
 from ttt.meta import TaskDataModule
 from ttt.models import Transformer, TransformerConfig
-from ttt.text.corpus import TextDataConfig, split_windows
+from ttt.text.context_schedule import ShortThenLong, flatten_rows
+from ttt.text.corpus import TextDataConfig, TokenWindows, split_documents
 from ttt.text.long_context import LongContextEvalConfig
 from ttt.text.passkey import PasskeyMix
 from ttt.text.tokenizer import load_tokenizer
@@ -38,19 +39,46 @@ class Config(RecipeConfig):
 
 def build_data(cfg: Config, tokenizer) -> TaskDataModule:
     """Token windows of the corpus's train / val / test documents, batched as the trainer section says:
-    batches {"tokens": (meta_batch_size, seq_len)}. With data.passkey_fraction > 0 that fraction of the
-    training rows are passkey sequences with eval.passkey_digits digits (the evaluation's; its default
-    in recipes without an eval section); with data.passkey_answer_weight != 1 the training batches also
-    carry "loss_weight" (meta_batch_size, seq_len - 1), the weight of each next-token loss."""
-    windows = split_windows(cfg.data, tokenizer)
+    batches {"tokens": (meta_batch_size, seq_len)}. With data.short_steps > 0 the first short_steps
+    training batches are (meta_batch_size * seq_len / short_seq_len, short_seq_len) instead
+    (`ShortThenLong`). With data.passkey_fraction > 0 that fraction of the training rows are passkey
+    sequences with eval.passkey_digits digits (the evaluation's; its default in recipes without an eval
+    section); with data.passkey_answer_weight != 1 the training batches also carry "loss_weight" (rows,
+    length - 1), the weight of each next-token loss."""
+    data = cfg.data
+    documents = split_documents(data, tokenizer)
+    windows = {split: TokenWindows(docs, data.seq_len, split) for split, docs in documents.items()}
     samples = {split: windows_of_split.sample for split, windows_of_split in windows.items()}
-    if cfg.data.passkey_fraction:
-        digits = getattr(cfg, "eval", LongContextEvalConfig()).passkey_digits
-        samples["train"] = PasskeyMix(
-            samples["train"], cfg.data.passkey_fraction, tokenizer, cfg.data.seq_len, digits,
-            answer_weight=cfg.data.passkey_answer_weight,
-        )
-    return TaskDataModule.from_trainer(samples, seed=cfg.seed, trainer=cfg.trainer)
+    samples["train"] = with_passkeys(cfg, samples["train"], tokenizer, data.seq_len, "data.seq_len")
+    if not data.short_steps:
+        return TaskDataModule.from_trainer(samples, seed=cfg.seed, trainer=cfg.trainer)
+    short = TokenWindows(documents["train"], data.short_seq_len, "train").sample
+    schedule = ShortThenLong(
+        with_passkeys(cfg, short, tokenizer, data.short_seq_len, "data.short_seq_len"),
+        samples["train"],
+        short_steps=data.short_steps,
+        rows=data.seq_len // data.short_seq_len,
+    )
+    return TaskDataModule.from_trainer(
+        samples, seed=cfg.seed, trainer=cfg.trainer, train_curriculum=schedule, train_collate=flatten_rows
+    )
+
+
+def with_passkeys(cfg: Config, sample, tokenizer, length: int, length_key: str):
+    """`sample` (windows of `length` tokens, config key `length_key`) with data.passkey_fraction of its
+    rows passkey sequences (`PasskeyMix`); `sample` itself when the fraction is 0."""
+    if not cfg.data.passkey_fraction:
+        return sample
+    digits = getattr(cfg, "eval", LongContextEvalConfig()).passkey_digits
+    return PasskeyMix(
+        sample,
+        cfg.data.passkey_fraction,
+        tokenizer,
+        length,
+        digits,
+        answer_weight=cfg.data.passkey_answer_weight,
+        length_key=length_key,
+    )
 
 
 def build_learner(cfg: Config, model: TTTTransformer, tokenizer) -> TTTLanguageLearner:

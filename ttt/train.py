@@ -46,6 +46,7 @@ from ttt.tracking import (
     load_checkpoint,
     new_run_dir,
     resolve_resume,
+    trained_minutes,
     write_run_report,
     write_summary,
 )
@@ -177,6 +178,18 @@ def check_accelerator(cfg: RecipeConfig) -> None:
         )
 
 
+def check_time_left(cfg: RecipeConfig, trained: float | None) -> None:
+    """Raise ConfigError when a resumed run (`trained` minutes counted by its time limit, None if it had
+    none) would stop at once: trainer.max_minutes counts the whole run, not this session."""
+    limit = cfg.trainer.max_minutes
+    if limit is not None and trained is not None and trained >= limit:
+        raise ConfigError(
+            f"trainer.max_minutes={limit:g} counts the whole run, which has trained {trained:.1f} minutes "
+            f"already: resumed, it would stop at once. Set trainer.max_minutes above {trained:.1f} (the "
+            "total this run may train), or null; the run directory was left unchanged"
+        )
+
+
 def make_trainer(
     cfg: RecipeConfig, paths: RunPaths, timer: OuterStepTimer, spikes: LossSpikeWatch | None = None
 ) -> pl.Trainer:
@@ -247,7 +260,9 @@ def run(
         raise ConfigError(f"recipe {cfg.recipe}: {err}") from err
     if checkpoint is not None:
         # Everything that can fail about the checkpoint fails here, before the run directory is touched.
-        check_resumable(load_checkpoint(checkpoint, mmap=True), checkpoint, module.state_dict())
+        saved = load_checkpoint(checkpoint, mmap=True)
+        check_resumable(saved, checkpoint, module.state_dict())
+        check_time_left(cfg, trained_minutes(saved))
     if paths is None:
         paths = run_paths(cfg)
     if rank_zero_only.rank == 0:

@@ -108,6 +108,8 @@ def test_compare_overlays_passkey_curves(tmp_path, capsys):
     assert "| curve | 256 tokens | 1024 tokens |" in table
     assert "| mem | 0.50 | 0.12 |" in table and "| mem (no TTT) | 0.00 | 0.00 |" in table
     assert "| swa | 0.25 | 0.12 |" in table and "swa (no TTT)" not in table
+    digits = table.split("Fraction of the key's digits right")[1]
+    assert "| mem | 0.90 | 0.80 |" in digits and "| mem (no TTT) | 0.50 | 0.40 |" in digits
     assert (tmp_path / "cmp" / "passkey_compare.png").stat().st_size > 0
 
 

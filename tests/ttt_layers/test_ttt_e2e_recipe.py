@@ -24,7 +24,7 @@ def test_tiny_ttt_e2e_run_writes_long_context_figures(tiny_ttt_e2e, tmp_path):
     run = tmp_path / "runs" / "ttt"
     summary = json.loads((run / "summary.json").read_text())
     assert summary["outer_steps"] == 2
-    for key in ("query_loss", "late_loss", "passkey_exact_120"):
+    for key in ("query_loss", "late_loss", "passkey_exact_120", "passkey_token_120"):
         assert {f"{key}_adapted", f"{key}_unadapted"} <= set(summary)
     assert summary["query_loss_adapted"] != summary["query_loss_unadapted"]
     logged = list(csv.DictReader((run / "logs" / "version_0" / "metrics.csv").open()))

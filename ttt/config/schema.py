@@ -138,7 +138,8 @@ class TrainerConfig:
     """Outer (meta) optimizer steps."""
     max_minutes: float | None = None
     """Stop training after this many minutes even before max_steps (Lightning's max_time), then test;
-    the summary's outer_steps says how far it got. null: no time limit."""
+    the summary's outer_steps says how far it got. Like max_steps it counts the whole run: a resume
+    restores the minutes trained so far. null: no time limit."""
     steps_per_epoch: int = 100
     """Outer steps between validations and checkpoints (one epoch); capped at max_steps."""
     meta_batch_size: int = 8

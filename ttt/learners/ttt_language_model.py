@@ -147,5 +147,6 @@ class TTTLanguageLearner(OuterLearner):
         for row in passkey_rows:
             for mode in MODES:
                 self.log(f"test/passkey_exact_{row['length']}_{mode}", row[f"exact_{mode}"])
+                self.log(f"test/passkey_token_{row['length']}_{mode}", row[f"token_{mode}"])
         if self.trainer.is_global_zero:
             write_long_context_report(Path(self.trainer.default_root_dir), position_rows, passkey_rows)

@@ -128,7 +128,9 @@ class TaskDataModule(pl.LightningDataModule):
     ..., "test": ...} (text: windows of each split's own documents). Every batch is a dict of tensors with
     a leading task dim (meta_batch_size, or eval_batch_size for the held-out sets).
     train_curriculum: a StepTaskSampler that replaces the training sampler (the held-out sets keep
-    `sample`); its tasks must have the shapes of `sample`'s.
+    `sample`); its tasks must have the shapes of `sample`'s, or train_collate must turn them into
+    batches of those shapes.
+    train_collate: how the training loader collates a step's tasks (default: stacked).
     """
 
     def __init__(
@@ -143,6 +145,7 @@ class TaskDataModule(pl.LightningDataModule):
         eval_batch_size: int,
         num_workers: int = 0,
         train_curriculum: StepTaskSampler | None = None,
+        train_collate: Callable[[list[dict[str, torch.Tensor]]], dict[str, torch.Tensor]] | None = None,
     ):
         super().__init__()
         samples = dict(sample) if isinstance(sample, Mapping) else dict.fromkeys(SPLITS, sample)
@@ -154,6 +157,7 @@ class TaskDataModule(pl.LightningDataModule):
         self.meta_batch_size, self.steps_per_epoch = meta_batch_size, steps_per_epoch
         self.val_tasks, self.test_tasks, self.eval_batch_size = val_tasks, test_tasks, eval_batch_size
         self.num_workers, self.train_curriculum = num_workers, train_curriculum
+        self.train_collate = train_collate
 
     @classmethod
     def from_trainer(
@@ -163,12 +167,14 @@ class TaskDataModule(pl.LightningDataModule):
         seed: int,
         trainer,
         train_curriculum: StepTaskSampler | None = None,
+        train_collate: Callable[[list[dict[str, torch.Tensor]]], dict[str, torch.Tensor]] | None = None,
     ) -> TaskDataModule:
         """The data module whose batch sizes and held-out set sizes are those of a `TrainerConfig`."""
         return cls(
             sample,
             seed=seed,
             train_curriculum=train_curriculum,
+            train_collate=train_collate,
             meta_batch_size=trainer.meta_batch_size,
             steps_per_epoch=trainer.steps_per_epoch,
             val_tasks=trainer.val_tasks,
@@ -193,6 +199,7 @@ class TaskDataModule(pl.LightningDataModule):
                 self.steps_per_epoch, self.meta_batch_size, self._done_steps, **processes
             ),
             num_workers=self.num_workers,
+            collate_fn=self.train_collate,
             drop_last=True,
         )
 

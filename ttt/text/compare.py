@@ -6,7 +6,8 @@ Each run directory must hold loss_by_position.json (written by the ttt_e2e, ttt_
 neural_memory recipes). A run that trained with test-time training (or memory writes) contributes two
 curves (with and without it); a run without it (ttt.enabled=false) contributes one. Writes
 DIR/loss_by_position_compare.png and .md; when the runs have passkey.csv, also
-DIR/passkey_compare.png and .md (exact accuracy by context length, the same curves).
+DIR/passkey_compare.png (exact accuracy by context length, the same curves) and .md (exact accuracy,
+then the fraction of the key's tokens right).
 """
 
 from __future__ import annotations
@@ -33,15 +34,16 @@ def load_curves(run_dir: Path) -> dict[str, list[dict[str, float]]]:
     return {run_dir.name: rows["adapted"], f"{run_dir.name} (no TTT)": rows["unadapted"]}
 
 
-def load_passkey(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    """Curve label (as in `load_curves`) -> (context length, exact passkey accuracy) points of one run;
-    empty when the run has no passkey.csv."""
+def load_passkey(run_dir: Path, measure: str = "exact") -> dict[str, list[tuple[int, float]]]:
+    """Curve label (as in `load_curves`) -> (context length, passkey accuracy) points of one run, by
+    `measure`: "exact" (every digit right) or "token" (the fraction of digits right); empty when the
+    run has no passkey.csv."""
     path = run_dir / "passkey.csv"
     if not path.is_file():
         return {}
     rows = list(csv.DictReader(path.open()))
     points = {
-        mode: [(int(r["length"]), float(r[f"exact_{mode}"])) for r in rows]
+        mode: [(int(r["length"]), float(r[f"{measure}_{mode}"])) for r in rows]
         for mode in ("adapted", "unadapted")
     }
     labels = list(load_curves(run_dir))
@@ -51,7 +53,7 @@ def load_passkey(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
 
 
 def passkey_table(curves: dict[str, list[tuple[int, float]]]) -> str:
-    """Exact passkey accuracy per context length (columns) of each curve (rows)."""
+    """Passkey accuracy per context length (columns) of each curve (rows)."""
     lengths = sorted({length for points in curves.values() for length, _ in points})
     lines = [
         "| curve | " + " | ".join(f"{n} tokens" for n in lengths) + " |",
@@ -94,7 +96,11 @@ def main(argv: list[str] | None = None) -> int:
     passkey = {label: points for run in args.runs for label, points in load_passkey(run).items()}
     if passkey:
         plot_passkey_curves(args.out / "passkey_compare.png", passkey)
-        table = passkey_table(passkey)
+        tokens = {label: points for run in args.runs for label, points in load_passkey(run, "token").items()}
+        table = (
+            f"Exact (every digit of the key right):\n\n{passkey_table(passkey)}\n"
+            f"Fraction of the key's digits right (teacher-forced):\n\n{passkey_table(tokens)}"
+        )
         (args.out / "passkey_compare.md").write_text(table)
         print("\n" + table, end="")
     return 0

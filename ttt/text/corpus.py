@@ -49,6 +49,13 @@ class TextDataConfig:
     """This fraction of the training windows (train split only, drawn per row) are passkey sequences of
     seq_len tokens instead (`ttt.text.passkey.PasskeyMix`, eval.passkey_digits digits): it rewards
     retrieval beyond the attention window. 0: plain text windows; validation and test are always text."""
+    short_seq_len: int | None = None
+    """The short-then-long context schedule: the first data.short_steps outer steps read training windows
+    of this many tokens, seq_len / short_seq_len times as many per step (the same tokens per step), from
+    every training document at least that long; then windows of seq_len. Validation and test always read
+    seq_len. It must divide seq_len. null: every step reads seq_len (`ttt.text.context_schedule`)."""
+    short_steps: int = 0
+    """Outer steps of the short phase (data.short_seq_len); 0: no short phase."""
     passkey_answer_weight: float = 1.0
     """Weight of a passkey row's answer positions (the key's tokens) in its next-token loss, against 1
     for every other position; the row's loss is then the weighted mean. Above 1 it concentrates the
@@ -66,6 +73,20 @@ class TextDataConfig:
         if not 0 < self.passkey_answer_weight < math.inf:
             raise ValueError(
                 f"data.passkey_answer_weight must be a finite number > 0, got {self.passkey_answer_weight}"
+            )
+        if self.short_steps < 0:
+            raise ValueError(f"data.short_steps must be >= 0, got {self.short_steps}")
+        if (self.short_seq_len is None) != (self.short_steps == 0):
+            raise ValueError(
+                f"data.short_seq_len={self.short_seq_len} and data.short_steps={self.short_steps}: the short "
+                "phase needs both (a length and its steps), or neither (short_seq_len null, short_steps 0)"
+            )
+        if self.short_seq_len is not None and not (
+            2 <= self.short_seq_len < self.seq_len and self.seq_len % self.short_seq_len == 0
+        ):
+            raise ValueError(
+                f"data.short_seq_len must be >= 2, below data.seq_len ({self.seq_len}) and divide it (so "
+                f"that a short step reads the same tokens as a long one), got {self.short_seq_len}"
             )
         if self.passkey_answer_weight != 1 and not self.passkey_fraction:
             raise ValueError(
@@ -144,8 +165,8 @@ class TokenWindows:
         return {"tokens": self.documents[doc][offset : offset + self.seq_len].astype(np.int64)}
 
 
-def split_windows(cfg: TextDataConfig, tokenizer: Tokenizer) -> dict[str, TokenWindows]:
-    """Token windows of the train, val and test documents (documents are split by index)."""
+def split_documents(cfg: TextDataConfig, tokenizer: Tokenizer) -> dict[str, list[np.ndarray]]:
+    """The train, val and test documents as token arrays (documents are split by index)."""
     documents = load_documents(cfg)
     if len(documents) < 3:
         raise ValueError(f"data.corpus={cfg.corpus!r} has {len(documents)} documents; need at least 3")
@@ -153,4 +174,12 @@ def split_windows(cfg: TextDataConfig, tokenizer: Tokenizer) -> dict[str, TokenW
     for i, text in enumerate(documents):
         split = {0: "val", 1: "test"}.get(i % cfg.held_out_every, "train")
         splits[split].append(tokenizer.encode(text))
-    return {split: TokenWindows(docs, cfg.seq_len, split) for split, docs in splits.items()}
+    return splits
+
+
+def split_windows(cfg: TextDataConfig, tokenizer: Tokenizer) -> dict[str, TokenWindows]:
+    """Token windows of data.seq_len tokens of the train, val and test documents."""
+    return {
+        split: TokenWindows(docs, cfg.seq_len, split)
+        for split, docs in split_documents(cfg, tokenizer).items()
+    }

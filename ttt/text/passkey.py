@@ -55,7 +55,7 @@ class PasskeyMix:
     generator alone, and the windows kept are exactly those `sample` gives alone. With answer_weight
     != 1 (data.passkey_answer_weight) every row also carries "loss_weight" (length - 1,) float32, the
     weight of each next-token loss: answer_weight where a passkey row's position predicts an answer
-    token, 1 elsewhere (text rows: all 1).
+    token, 1 elsewhere (text rows: all 1). length_key: the config key of `length`, named in errors.
     """
 
     def __init__(
@@ -66,6 +66,7 @@ class PasskeyMix:
         length: int,
         digits: int,
         answer_weight: float = 1.0,
+        length_key: str = "data.seq_len",
     ):
         if not 0 < fraction <= 1:
             raise ValueError(f"data.passkey_fraction must be in (0, 1] to mix in passkeys, got {fraction}")
@@ -75,8 +76,8 @@ class PasskeyMix:
             sample_passkey(tokenizer, length, digits, np.random.default_rng(0))
         except ValueError as error:
             raise ValueError(
-                f"data.passkey_fraction={fraction} needs a passkey sequence in data.seq_len={length} tokens "
-                f"({error}); raise data.seq_len or set data.passkey_fraction=0"
+                f"data.passkey_fraction={fraction} needs a passkey sequence in {length_key}={length} tokens "
+                f"({error}); raise {length_key} or set data.passkey_fraction=0"
             ) from None
         self.sample, self.fraction, self.tokenizer = sample, fraction, tokenizer
         self.length, self.digits, self.answer_weight = length, digits, answer_weight

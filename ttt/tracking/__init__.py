@@ -2,7 +2,7 @@
 and the loss-spike watch, and the end-of-run summary and figures."""
 
 from .atomic import AtomicCheckpointIO, atomic_write_text
-from .checkpoint_file import CheckpointError, check_resumable, load_checkpoint
+from .checkpoint_file import CheckpointError, check_resumable, load_checkpoint, trained_minutes
 from .checkpointing import EpochEndCheckpoint, LogStepAlignment
 from .directory import RunPaths, new_run_dir, resolve_resume
 from .divergence import DivergenceError, DivergenceGuard
@@ -27,6 +27,7 @@ __all__ = [
     "load_checkpoint",
     "new_run_dir",
     "resolve_resume",
+    "trained_minutes",
     "write_run_report",
     "write_summary",
 ]

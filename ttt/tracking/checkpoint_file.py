@@ -90,3 +90,12 @@ def check_resumable(
             "inner.learnable_lr, ...) cannot be applied on resume: drop it, or start a new run with it; "
             "the run directory was left unchanged"
         )
+
+
+def trained_minutes(checkpoint: Mapping[str, Any]) -> float | None:
+    """Training minutes that Lightning's time limit (trainer.max_minutes) has counted in the run saved in
+    `checkpoint` (its Timer state, which a resume restores), or None when that run had no time limit."""
+    timer = checkpoint.get("callbacks", {}).get("Timer")
+    if not isinstance(timer, Mapping):
+        return None
+    return float(timer.get("time_elapsed", {}).get("train", 0.0)) / 60.0
