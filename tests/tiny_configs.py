@@ -57,3 +57,14 @@ def write_tiny_corpus(directory: Path) -> Path:
     for i in range(9):
         (directory / f"doc{i}.txt").write_text(f"def f{i}(x):\n    return x * {i}\n" * (3 + i))
     return directory
+
+
+def text_data_overrides(corpus, *, seq_len: int, meta_batch_size: int, max_steps: int) -> list[str]:
+    """Overrides for building a text recipe's data module on `corpus` (one epoch of max_steps steps,
+    4 validation and 4 test windows): the tests that read its batches rather than run it."""
+    return [
+        f"data.corpus={corpus}", f"data.seq_len={seq_len}", "data.held_out_every=3",
+        f"trainer.meta_batch_size={meta_batch_size}", f"trainer.max_steps={max_steps}",
+        f"trainer.steps_per_epoch={max_steps}", "trainer.val_tasks=4", "trainer.test_tasks=4",
+        "trainer.eval_batch_size=4",
+    ]  # fmt: skip

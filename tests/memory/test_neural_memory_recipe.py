@@ -118,7 +118,6 @@ def test_diagnose_reports_a_trained_run_and_leaves_its_reading_unchanged(tiny, t
     written and unwritten losses, and the probe changes nothing it measures."""
     import torch
 
-
     assert main([*tiny("neural_memory"), "run.name=mem"]) == 0
     capsys.readouterr()
     assert diagnose_main([f"run={tmp_path / 'runs' / 'mem'}", "--rows", "2"]) == 0

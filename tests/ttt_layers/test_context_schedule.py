@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from tiny_configs import TINY_TEXT, TINY_TRAINER, write_tiny_corpus
+from tiny_configs import TINY_TEXT, TINY_TRAINER, text_data_overrides, write_tiny_corpus
 
 from recipes.ttt_e2e import build_data
 from ttt.config import load_config
@@ -22,11 +22,8 @@ SEQ_LEN, SHORT = 120, 40
 
 
 def _config(corpus, *overrides, recipe="ttt_e2e"):
-    return load_config([
-        f"recipe={recipe}", f"data.corpus={corpus}", f"data.seq_len={SEQ_LEN}", "data.held_out_every=3",
-        "trainer.meta_batch_size=4", "trainer.max_steps=10", "trainer.steps_per_epoch=10",
-        "trainer.val_tasks=4", "trainer.test_tasks=4", "trainer.eval_batch_size=4", *overrides,
-    ])  # fmt: skip
+    data = text_data_overrides(corpus, seq_len=SEQ_LEN, meta_batch_size=4, max_steps=10)
+    return load_config([f"recipe={recipe}", *data, *overrides])
 
 
 def _batches(data) -> list[dict[str, torch.Tensor]]:

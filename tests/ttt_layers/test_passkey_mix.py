@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from tiny_configs import TINY_TEXT, TINY_TRAINER, write_tiny_corpus
+from tiny_configs import TINY_TEXT, TINY_TRAINER, text_data_overrides, write_tiny_corpus
 
 from recipes.ttt_e2e import build_data
 from ttt.config import load_config
@@ -28,11 +28,8 @@ PASSKEY_ROW = re.compile(
 
 
 def _config(corpus, *overrides, recipe="ttt_e2e"):
-    return load_config([
-        f"recipe={recipe}", f"data.corpus={corpus}", f"data.seq_len={SEQ_LEN}", "data.held_out_every=3",
-        "trainer.meta_batch_size=8", "trainer.max_steps=50", "trainer.steps_per_epoch=50",
-        "trainer.val_tasks=4", "trainer.test_tasks=4", "trainer.eval_batch_size=4", *overrides,
-    ])  # fmt: skip
+    data = text_data_overrides(corpus, seq_len=SEQ_LEN, meta_batch_size=8, max_steps=50)
+    return load_config([f"recipe={recipe}", *data, *overrides])
 
 
 def _rows(loader) -> np.ndarray:
@@ -155,8 +152,10 @@ def test_the_outer_loss_is_each_rows_weighted_mean():
     from ttt.learners.ttt_language_model import TTTLanguageLearner
 
     losses = torch.tensor([[1.0, 2.0, 3.0], [4.0, 4.0, 10.0]])
-    model = SimpleNamespace(token_losses=lambda tokens, lr_scale: losses,
-                            ttt_cfg=SimpleNamespace(lr_scale=lambda step: 1.0, sequences_per_pass=None))
+    model = SimpleNamespace(
+        token_losses=lambda tokens, lr_scale: losses,
+        ttt_cfg=SimpleNamespace(lr_scale=lambda step: 1.0, sequences_per_pass=None),
+    )
     learner = SimpleNamespace(model=model, inner_lr_scale=lambda: 1.0)
     weight = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 4.0]])
     loss, _ = TTTLanguageLearner.pass_loss(learner, {"tokens": None, "loss_weight": weight}, batch_size=4)
