@@ -116,8 +116,7 @@ def test_a_short_phase_too_short_for_a_passkey_names_its_key(corpus):
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"short_seq_len": 40}, r"needs both .* or neither"),
-        ({"short_steps": 5}, r"needs both .* or neither"),
+        ({"short_steps": 5}, r"data\.short_steps=5 needs data\.short_seq_len"),
         ({"short_steps": -1}, r"data\.short_steps must be >= 0, got -1"),
         ({"short_seq_len": 50, "short_steps": 5}, r"divide it .* got 50"),
         ({"short_seq_len": 120, "short_steps": 5}, r"below data\.seq_len \(120\) .* got 120"),
@@ -127,6 +126,16 @@ def test_a_short_phase_too_short_for_a_passkey_names_its_key(corpus):
 def test_bad_schedules_are_refused_by_name(overrides, message):
     with pytest.raises(ValueError, match=message):
         TextDataConfig(seq_len=SEQ_LEN, **overrides)
+
+
+def test_short_steps_zero_turns_the_schedule_off(corpus):
+    """One key turns a recipe's schedule off (ttt_e2e_16k sets both): the plain batches."""
+    off = _batches(
+        build_data(_config(corpus, f"data.short_seq_len={SHORT}", "data.short_steps=0"), ByteTokenizer())
+    )
+    plain = _batches(build_data(_config(corpus), ByteTokenizer()))
+    for a, b in zip(off, plain, strict=True):
+        torch.testing.assert_close(a["tokens"], b["tokens"], rtol=0, atol=0)
 
 
 def test_a_scheduled_run_trains_and_tests_at_the_long_length(tmp_path):

@@ -12,13 +12,11 @@ meta_batch_size such tasks into batches of meta_batch_size * rows sequences.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 import torch
 from torch.utils.data import default_collate
 
-TaskSampler = Callable[[np.random.Generator], dict[str, np.ndarray]]
+from ttt.meta.data import TaskSampler
 
 
 class ShortThenLong:

@@ -49,17 +49,17 @@ class TextDataConfig:
     """This fraction of the training windows (train split only, drawn per row) are passkey sequences of
     seq_len tokens instead (`ttt.text.passkey.PasskeyMix`, eval.passkey_digits digits): it rewards
     retrieval beyond the attention window. 0: plain text windows; validation and test are always text."""
-    short_seq_len: int | None = None
-    """The short-then-long context schedule: the first data.short_steps outer steps read training windows
-    of this many tokens, seq_len / short_seq_len times as many per step (the same tokens per step), from
-    every training document at least that long; then windows of seq_len. Validation and test always read
-    seq_len. It must divide seq_len. null: every step reads seq_len (`ttt.text.context_schedule`)."""
-    short_steps: int = 0
-    """Outer steps of the short phase (data.short_seq_len); 0: no short phase."""
     passkey_answer_weight: float = 1.0
     """Weight of a passkey row's answer positions (the key's tokens) in its next-token loss, against 1
     for every other position; the row's loss is then the weighted mean. Above 1 it concentrates the
     passkey rows' gradient on retrieval; 1: the plain mean. Needs data.passkey_fraction > 0."""
+    short_seq_len: int | None = None
+    """The short-then-long context schedule: the first data.short_steps outer steps read training windows
+    of this many tokens, seq_len / short_seq_len times as many per step (the same tokens per step), from
+    every training document at least that long; then windows of seq_len. Validation and test always read
+    seq_len. It must divide seq_len (`ttt.text.context_schedule`)."""
+    short_steps: int = 0
+    """Outer steps of the short phase (data.short_seq_len); 0: no short phase (short_seq_len unused)."""
 
     def __post_init__(self):
         if self.seq_len < 2:
@@ -76,12 +76,12 @@ class TextDataConfig:
             )
         if self.short_steps < 0:
             raise ValueError(f"data.short_steps must be >= 0, got {self.short_steps}")
-        if (self.short_seq_len is None) != (self.short_steps == 0):
+        if self.short_steps and self.short_seq_len is None:
             raise ValueError(
-                f"data.short_seq_len={self.short_seq_len} and data.short_steps={self.short_steps}: the short "
-                "phase needs both (a length and its steps), or neither (short_seq_len null, short_steps 0)"
+                f"data.short_steps={self.short_steps} needs data.short_seq_len, the length its windows have "
+                "(e.g. 2048 for data.seq_len 16384); or set data.short_steps=0 for no short phase"
             )
-        if self.short_seq_len is not None and not (
+        if self.short_steps and not (
             2 <= self.short_seq_len < self.seq_len and self.seq_len % self.short_seq_len == 0
         ):
             raise ValueError(
