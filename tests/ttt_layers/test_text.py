@@ -136,6 +136,28 @@ def test_passkey_accuracy_scores_each_trial_on_its_own_answer():
     assert row["exact_adapted"] == pytest.approx(5 / 6) and row["exact_unadapted"] == 0
     first = 1 - 1 / answer_lengths[0].item()
     assert row["token_adapted"] == pytest.approx((5 + first) / 6) and row["token_unadapted"] == 0
+    assert row["first_adapted"] == 1 and row["first_unadapted"] == 0, "trial 0 missed its last token only"
+
+
+def test_first_answer_token_accuracy_looks_at_each_trial_s_own_first_answer_position():
+    tokenizer = _ZeroIsTwoTokens()
+    cfg = LongContextEvalConfig(passkey_lengths=[200], passkey_trials=6, passkey_digits=4)
+    samples = [sample_passkey(tokenizer, 200, 4, np.random.default_rng([0, 200, t])) for t in range(6)]
+    masks = torch.from_numpy(np.stack([sample["answer_mask"] for sample in samples]))
+    openings = masks.int().argmax(1)
+
+    def read(tokens, adapt):
+        """Right everywhere, except the first answer token of trials 1 and 4 (adapted) or of all
+        trials (unadapted)."""
+        right = torch.nn.functional.one_hot(torch.roll(tokens, -1, dims=1), 256).float()
+        logits = right.clone()
+        for trial in [1, 4] if adapt else range(6):
+            logits[trial, openings[trial]] = right[trial, openings[trial]].roll(1, dims=-1)
+        return logits, None
+
+    (row,) = passkey_accuracy(read, tokenizer, cfg, seed=0, device=torch.device("cpu"))
+    assert row["first_adapted"] == pytest.approx(4 / 6) and row["first_unadapted"] == 0
+    assert row["exact_adapted"] == pytest.approx(4 / 6) and row["exact_unadapted"] == 0
 
 
 def test_loss_by_position_bins():

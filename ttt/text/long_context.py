@@ -66,8 +66,9 @@ def bin_positions(mean_loss: np.ndarray, bins: int) -> list[dict[str, float]]:
 def passkey_accuracy(
     read: ReadFn, tokenizer: Tokenizer, cfg: LongContextEvalConfig, *, seed: int, device: torch.device
 ) -> list[dict[str, float]]:
-    """Rows {length, exact_adapted, exact_unadapted, token_adapted, token_unadapted}: the fraction of
-    passkeys retrieved exactly, and of answer tokens right, per context length (same keys in both modes)."""
+    """Rows {length, exact_*, token_*, first_*} (* = adapted, unadapted): the fraction of passkeys
+    retrieved exactly, of answer tokens right, and of first answer tokens right (the one that no earlier
+    answer token hints at), per context length (same keys in both modes)."""
     rows = []
     for length in cfg.passkey_lengths:
         row = {"length": length}
@@ -79,11 +80,13 @@ def passkey_accuracy(
         masks = np.stack([sample["answer_mask"] for sample in samples])  # keys may differ in token count
         first = int(np.flatnonzero(masks.any(0))[0])  # answers sit at the end: score from here on
         scored = torch.from_numpy(masks[:, first:-1]).to(device)  # (trials, L - 1 - first)
+        opening = torch.from_numpy(masks[:, first:-1].argmax(1)).to(device)  # each key's first position
         for mode, adapt in MODES.items():
             logits, _ = read(tokens, adapt)
             hits = logits[:, first:-1].argmax(-1) == tokens[:, first + 1 :]
             row[f"exact_{mode}"] = (hits | ~scored).all(1).float().mean().item()
             row[f"token_{mode}"] = ((hits & scored).sum(1) / scored.sum(1)).mean().item()
+            row[f"first_{mode}"] = hits.gather(1, opening[:, None]).float().mean().item()
         rows.append(row)
     return rows
 
