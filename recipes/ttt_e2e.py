@@ -52,6 +52,13 @@ def build_data(cfg: Config, tokenizer) -> TaskDataModule:
     samples["train"] = with_passkeys(cfg, samples["train"], tokenizer, data.seq_len, "data.seq_len")
     if not data.short_steps:
         return TaskDataModule.from_trainer(samples, seed=cfg.seed, trainer=cfg.trainer)
+    ttt = getattr(cfg, "ttt", None)
+    if ttt is not None and ttt.enabled and data.short_seq_len <= ttt.chunk_len:
+        raise ValueError(
+            f"data.short_seq_len={data.short_seq_len} is at most one ttt.chunk_len={ttt.chunk_len} chunk: "
+            "the inner steps, taken after each chunk, would help nothing in the short phase; use at least "
+            f"two chunks (data.short_seq_len >= {2 * ttt.chunk_len})"
+        )
     short = TokenWindows(documents["train"], data.short_seq_len, "train").sample
     schedule = ShortThenLong(
         with_passkeys(cfg, short, tokenizer, data.short_seq_len, "data.short_seq_len"),

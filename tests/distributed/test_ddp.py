@@ -145,3 +145,13 @@ def test_parameters_without_outer_gradient_name_the_key_that_allows_them(tmp_pat
     stderr = launch([sys.executable, "-m", "ttt.train", *args], tmp_path, returncode=2)
     assert "error: some trainable parameters got no outer gradient" in stderr
     assert "trainer.find_unused_parameters=true" in stderr
+
+
+def test_two_processes_follow_the_short_then_long_context_schedule_of_one(tmp_path):
+    """data.short_steps: step 1 reads 2 rows of 32 tokens per task (2 chunks each), step 2 one row of
+    64; the DDP shares of each step are the single process's rows, so both runs reach the same
+    parameters."""
+    schedule = ["data.seq_len=64", "data.short_seq_len=32", "data.short_steps=1"]
+    one = train(tmp_path / "one", "ttt_e2e", "one", "trainer.meta_batch_size=4", *schedule)
+    two = train(tmp_path / "two", "ttt_e2e", "two", "trainer.meta_batch_size=2", *schedule, *DDP)
+    assert_same_state(two, one)

@@ -38,6 +38,8 @@ def corpus(tmp_path_factory):
 @pytest.mark.parametrize("recipe", ["ttt_e2e", "neural_memory", "sophia_lm", "ttt_pretrained_toy"])
 def test_short_steps_read_more_shorter_rows_then_the_plain_windows(corpus, recipe):
     schedule = [f"data.short_seq_len={SHORT}", "data.short_steps=3"]
+    if recipe == "neural_memory":
+        schedule.append("ttt.chunk_len=20")  # its chunks (64) would be longer than the short windows
     scheduled = _batches(build_data(_config(corpus, *schedule, recipe=recipe), ByteTokenizer()))
     plain = _batches(build_data(_config(corpus, recipe=recipe), ByteTokenizer()))
     assert [tuple(b["tokens"].shape) for b in scheduled] == [(12, SHORT)] * 3 + [(4, SEQ_LEN)] * 7
@@ -107,6 +109,14 @@ def test_passkeys_mix_into_both_phases(corpus):
         assert (batch["loss_weight"] == 10).sum(1).tolist() == [5] * len(batch["tokens"])
 
 
+def test_a_short_phase_of_one_ttt_chunk_is_refused(corpus):
+    config = _config(corpus, "data.short_seq_len=30", "data.short_steps=3", "ttt.chunk_len=30")
+    with pytest.raises(ValueError, match=r"data\.short_seq_len=30 is at most one ttt\.chunk_len=30 chunk"):
+        build_data(config, ByteTokenizer())
+    without_ttt = ["data.short_seq_len=30", "data.short_steps=3", "ttt.chunk_len=30", "ttt.enabled=false"]
+    build_data(_config(corpus, *without_ttt), ByteTokenizer())  # no inner steps: nothing to refuse
+
+
 def test_a_short_phase_too_short_for_a_passkey_names_its_key(corpus):
     config = _config(corpus, f"data.short_seq_len={SHORT}", "data.short_steps=3", "data.passkey_fraction=0.5")
     with pytest.raises(ValueError, match=r"data\.short_seq_len=40 tokens .*raise data\.short_seq_len"):
@@ -142,8 +152,8 @@ def test_a_scheduled_run_trains_and_tests_at_the_long_length(tmp_path):
     corpus = write_tiny_corpus(tmp_path / "corpus")
     overrides = [
         "recipe=ttt_e2e", f"data.corpus={corpus}", *TINY_TEXT, *TINY_TRAINER, f"run.root={tmp_path}",
-        "run.name=sched", "trainer.max_steps=4", "trainer.steps_per_epoch=2", "data.short_seq_len=16",
-        "data.short_steps=2",
+        "run.name=sched", "trainer.max_steps=4", "trainer.steps_per_epoch=2", "data.seq_len=64",
+        "data.short_seq_len=32", "data.short_steps=2",
     ]  # fmt: skip
     assert main(overrides) == 0
     summary = json.loads((tmp_path / "sched" / "summary.json").read_text())
