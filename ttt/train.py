@@ -27,7 +27,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from ttt.config import ConfigError, RecipeConfig, available_recipes, load_config, to_yaml
+from ttt.config import ConfigError, RecipeConfig, available_recipes, load_config, to_dict, to_yaml
 from ttt.config.keys import format_config_keys
 from ttt.config.loading import recipe_header
 from ttt.tracking import (
@@ -273,7 +273,7 @@ def run(
     # config.yaml holds the latest session's config; each session's own goes beside its metrics
     # (logs/version_N/hparams.yaml), so a run resumed with other keys (a short-then-long context
     # schedule) keeps its history.
-    trainer.loggers[0].log_hyperparams(yaml.safe_load(to_yaml(cfg)))
+    trainer.loggers[0].log_hyperparams(to_dict(cfg))
     # Lightning restores a checkpoint before it casts the module to the precision's dtype: cast first,
     # or a float64 run would resume from float32-rounded parameters.
     module = trainer.strategy.precision_plugin.convert_module(module)

@@ -1,7 +1,7 @@
 """Typed configs shared by every recipe, and loading a recipe's YAML with command-line overrides."""
 
 from .choice import Choice
-from .loading import ConfigError, available_recipes, load_config, to_yaml
+from .loading import ConfigError, available_recipes, load_config, to_dict, to_yaml
 from .schema import OuterOptimConfig, RecipeConfig, RunConfig, TrainerConfig
 
 __all__ = [
@@ -13,5 +13,6 @@ __all__ = [
     "TrainerConfig",
     "available_recipes",
     "load_config",
+    "to_dict",
     "to_yaml",
 ]

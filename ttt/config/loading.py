@@ -199,7 +199,12 @@ def _plain(value: Any) -> Any:
     return value.value if isinstance(value, Enum) else value
 
 
+def to_dict(cfg: RecipeConfig) -> dict[str, Any]:
+    """The resolved config as nested plain dicts (derived defaults filled in; choices as their values)."""
+    return _plain(OmegaConf.to_container(OmegaConf.structured(cfg)))
+
+
 def to_yaml(cfg: RecipeConfig) -> str:
-    """The resolved config as YAML (derived defaults filled in; choices as their values, which load back)."""
-    return OmegaConf.to_yaml(_plain(OmegaConf.to_container(OmegaConf.structured(cfg))))
+    """The resolved config as YAML (`to_dict`, which loads back)."""
+    return OmegaConf.to_yaml(to_dict(cfg))
 
