@@ -4,6 +4,7 @@ without test-time training."""
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 from ttt.config import RecipeConfig
@@ -58,6 +59,13 @@ def build_data(cfg: Config, tokenizer) -> TaskDataModule:
             f"data.short_seq_len={data.short_seq_len} is at most one ttt.chunk_len={ttt.chunk_len} chunk: "
             "the inner steps, taken after each chunk, would help nothing in the short phase; use at least "
             f"two chunks (data.short_seq_len >= {2 * ttt.chunk_len})"
+        )
+    if data.short_steps >= cfg.trainer.max_steps:
+        warnings.warn(
+            f"data.short_steps={data.short_steps} >= trainer.max_steps={cfg.trainer.max_steps}: no training "
+            f"step reads data.seq_len={data.seq_len} windows (validation and test still do); lower "
+            "data.short_steps unless a resume with a larger trainer.max_steps follows",
+            stacklevel=2,
         )
     short = TokenWindows(documents["train"], data.short_seq_len, "train").sample
     schedule = ShortThenLong(

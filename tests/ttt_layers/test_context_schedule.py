@@ -109,6 +109,11 @@ def test_passkeys_mix_into_both_phases(corpus):
         assert (batch["loss_weight"] == 10).sum(1).tolist() == [5] * len(batch["tokens"])
 
 
+def test_a_schedule_that_never_reaches_the_long_windows_warns(corpus):
+    with pytest.warns(UserWarning, match=r"data\.short_steps=10 >= trainer\.max_steps=10: no training step"):
+        build_data(_config(corpus, f"data.short_seq_len={SHORT}", "data.short_steps=10"), ByteTokenizer())
+
+
 def test_a_short_phase_of_one_ttt_chunk_is_refused(corpus):
     config = _config(corpus, "data.short_seq_len=30", "data.short_steps=3", "ttt.chunk_len=30")
     with pytest.raises(ValueError, match=r"data\.short_seq_len=30 is at most one ttt\.chunk_len=30 chunk"):
