@@ -125,6 +125,14 @@ def test_two_processes_reach_the_parameters_of_one_process_over_the_global_batch
     summaries = [json.loads((run / "summary.json").read_text()) for run in (one, two)]
     for key in ("query_loss_unadapted", "query_loss_adapted"):
         assert summaries[1][key] == pytest.approx(summaries[0][key], rel=1e-6)
+    if recipe == "ttt_e2e":  # each process's test windows, gathered in the single process's order
+        windows = [(run / "late_loss_by_window.csv").read_text().splitlines() for run in (one, two)]
+        assert [line.split(",")[0] for line in windows[1]] == [line.split(",")[0] for line in windows[0]]
+        assert len(windows[0]) == 5
+        for got, want in zip(windows[1][1:], windows[0][1:]):
+            assert [float(v) for v in got.split(",")[1:]] == pytest.approx(
+                [float(v) for v in want.split(",")[1:]]
+            )
     # One run directory, written by rank 0 only.
     assert [path.name for path in (tmp_path / "runs").iterdir()] == ["two"]
     assert [path.name for path in (two / "logs").iterdir()] == ["version_0"]

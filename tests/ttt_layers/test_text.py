@@ -1,5 +1,6 @@
 """Text pieces of the long-context recipes: tokenizers, local corpora through `datasets`, token windows,
-passkey sequences and scoring, and the loss-by-position binning."""
+passkey sequences and scoring, the loss-by-position binning, and the comparison of runs (curves and
+window-by-window late losses)."""
 
 import importlib.util
 import json
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from ttt.text.corpus import TextDataConfig, TokenWindows, corpus_files, load_documents, split_windows
-from ttt.text.long_context import LongContextEvalConfig, bin_positions, passkey_accuracy
+from ttt.text.long_context import LongContextEvalConfig, bin_positions, passkey_accuracy, window_ids
 from ttt.text.passkey import sample_passkey
 from ttt.text.tokenizer import ByteTokenizer, load_tokenizer
 
@@ -183,3 +184,43 @@ def test_compare_overlays_runs(tmp_path, capsys):
     assert "base (no TTT)" not in table and (tmp_path / "cmp" / "loss_by_position_compare.png").is_file()
     assert main([str(tmp_path / "missing"), "--out", str(tmp_path / "cmp")]) == 2
     assert "no loss_by_position.json" in capsys.readouterr().err
+
+
+def test_window_ids_name_each_window_by_its_tokens():
+    tokens = torch.tensor([[1, 2, 3], [1, 2, 4], [1, 2, 3]])
+    ids = window_ids(tokens)
+    assert ids.dtype == torch.int64 and ids.shape == (3,) and bool((ids >= 0).all())
+    assert ids[0] == ids[2] and ids[0] != ids[1]
+    assert torch.equal(window_ids(tokens.to(torch.int32)), ids), "the id does not depend on the dtype"
+
+
+def _write_window_run(folder, losses: dict[str, float], unadapted: dict[str, float] | None = None):
+    """A run directory with loss_by_position.json and late_loss_by_window.csv (window id -> late loss)."""
+    rows = [{"start": 0, "end": 4, "loss": 1.0}]
+    folder.mkdir()
+    changed = [{**rows[0], "loss": 2.0}] if unadapted else rows
+    (folder / "loss_by_position.json").write_text(json.dumps({"adapted": rows, "unadapted": changed}))
+    lines = ["window,late_loss_adapted,late_loss_unadapted"]
+    lines += [f"{w},{loss},{(unadapted or losses)[w]}" for w, loss in losses.items()]
+    (folder / "late_loss_by_window.csv").write_text("\n".join(lines) + "\n")
+
+
+def test_compare_pairs_late_losses_window_by_window(tmp_path, capsys):
+    from ttt.text.compare import main
+
+    _write_window_run(tmp_path / "full", {"a": 1.0, "b": 2.0, "c": 3.0})
+    _write_window_run(tmp_path / "ttt", {"a": 0.5, "b": 1.5, "c": 3.5}, unadapted={"a": 1, "b": 2, "c": 3})
+    _write_window_run(tmp_path / "other", {"a": 1.0, "d": 2.0, "c": 3.0})
+    runs = [str(tmp_path / name) for name in ("full", "ttt", "other")]
+    assert main([*runs, "--out", str(tmp_path / "cmp")]) == 0
+    table = (tmp_path / "cmp" / "late_loss_paired.md").read_text()
+    assert "against full (3 windows)" in table and "| full | 2.0000 | | | |" in table
+    # differences -0.5, -0.5, +0.5: mean -1/6, standard error std(ddof=1) / sqrt(3) = (1/sqrt(3)) / sqrt(3)
+    assert "| ttt | 1.8333 | -0.1667 | 0.3333 | 2 of 3 |" in table
+    assert "| ttt (no TTT) | 2.0000 | +0.0000 | 0.0000 | 0 of 3 |" in table
+    assert "| other | 2.0000 | other test windows: not paired | | |" in table
+    assert table in capsys.readouterr().out
+    # Runs from before the file was written compare as before, without the paired table.
+    (tmp_path / "full" / "late_loss_by_window.csv").unlink()
+    assert main([runs[0], "--out", str(tmp_path / "old")]) == 0
+    assert not (tmp_path / "old" / "late_loss_paired.md").exists()

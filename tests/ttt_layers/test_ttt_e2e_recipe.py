@@ -33,6 +33,11 @@ def test_tiny_ttt_e2e_run_writes_long_context_figures(tiny_ttt_e2e, tmp_path):
     rows = list(csv.DictReader((run / "loss_by_position.csv").open()))
     assert len(rows) == 4 and set(rows[0]) == {"start", "end", "loss_adapted", "loss_unadapted"}
     assert rows[-1]["end"] == "47"
+    windows = list(csv.DictReader((run / "late_loss_by_window.csv").open()))
+    assert len(windows) == 2 and len({row["window"] for row in windows}) == 2
+    for mode in ("adapted", "unadapted"):  # equal windows: their mean is the summary's late loss
+        mean = sum(float(row[f"late_loss_{mode}"]) for row in windows) / len(windows)
+        assert mean == pytest.approx(summary[f"late_loss_{mode}"], rel=1e-5)
     assert (run / "loss_by_position.png").stat().st_size > 0 and (run / "passkey.png").stat().st_size > 0
 
 

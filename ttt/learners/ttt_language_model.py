@@ -21,7 +21,9 @@ from ttt.text.long_context import (
     MODES,
     LongContextEvalConfig,
     bin_positions,
+    late_start,
     passkey_accuracy,
+    window_ids,
     write_long_context_report,
 )
 from ttt.text.tokenizer import Tokenizer
@@ -50,6 +52,7 @@ class TTTLanguageLearner(OuterLearner):
         self.eval_cfg, self.tokenizer, self.seed = evaluation, tokenizer, seed
         self._position_sums: dict[str, torch.Tensor] = {}
         self._position_count = 0
+        self._window_parts: dict[str, list[torch.Tensor]] = {}
 
     def initial_params(self) -> dict[str, torch.nn.Parameter]:
         """The fast weights' meta-learned initial values (live parameters of the model)."""
@@ -115,18 +118,22 @@ class TTTLanguageLearner(OuterLearner):
         positions where long context can help (logged at every validation: val/late_loss_*)."""
         metrics = {}
         for mode, losses in self.position_losses(batch).items():
-            late_from = int(losses.shape[1] * (1 - self.eval_cfg.late_fraction))
+            late_from = late_start(losses.shape[1], self.eval_cfg.late_fraction)
             metrics[f"query_loss_{mode}"] = losses.mean()
             metrics[f"late_loss_{mode}"] = losses[:, late_from:].mean()
         return metrics
 
     def on_test_epoch_start(self) -> None:
         self._position_sums, self._position_count = {}, 0
+        self._window_parts = {"window": [], **{mode: [] for mode in MODES}}
 
     def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         losses = self.position_losses(batch)
+        self._window_parts["window"].append(window_ids(batch["tokens"]))
         for mode, value in losses.items():
             self._position_sums[mode] = self._position_sums.get(mode, 0) + value.sum(0)
+            late_from = late_start(value.shape[1], self.eval_cfg.late_fraction)
+            self._window_parts[mode].append(value[:, late_from:].mean(1))
         self._position_count += len(batch["tokens"])
         metrics = {f"query_loss_{mode}": value.mean() for mode, value in losses.items()}
         self.log_evaluation("test", metrics, self.batch_size(batch))
@@ -139,7 +146,7 @@ class TTTLanguageLearner(OuterLearner):
             mode: (reduce(total, reduce_op="sum") / count).cpu().numpy()
             for mode, total in self._position_sums.items()
         }
-        late_from = int(len(next(iter(mean.values()))) * (1 - cfg.late_fraction))
+        late_from = late_start(len(next(iter(mean.values()))), cfg.late_fraction)
         for mode, losses in mean.items():
             self.log(f"test/late_loss_{mode}", float(np.mean(losses[late_from:])))
         position_rows = {mode: bin_positions(losses, cfg.position_bins) for mode, losses in mean.items()}
@@ -148,5 +155,24 @@ class TTTLanguageLearner(OuterLearner):
             for mode in MODES:
                 self.log(f"test/passkey_exact_{row['length']}_{mode}", row[f"exact_{mode}"])
                 self.log(f"test/passkey_token_{row['length']}_{mode}", row[f"token_{mode}"])
+        window_rows = self.late_loss_by_window()
         if self.trainer.is_global_zero:
-            write_long_context_report(Path(self.trainer.default_root_dir), position_rows, passkey_rows)
+            write_long_context_report(
+                Path(self.trainer.default_root_dir), position_rows, passkey_rows, window_rows
+            )
+
+    def late_loss_by_window(self) -> list[dict[str, float | str]]:
+        """Rows {window: its id in hex, late_loss_adapted, late_loss_unadapted}, one per test window of
+        every process, in test-set order (the shares are contiguous and equal, so gathering them rank by
+        rank restores it)."""
+        gathered = {
+            name: self.all_gather(torch.cat(parts)).reshape(-1).cpu()
+            for name, parts in self._window_parts.items()
+        }
+        return [
+            {
+                "window": f"{int(window):016x}",
+                **{f"late_loss_{mode}": float(gathered[mode][i]) for mode in MODES},
+            }
+            for i, window in enumerate(gathered["window"])
+        ]

@@ -7,7 +7,10 @@ neural_memory recipes). A run that trained with test-time training (or memory wr
 curves (with and without it); a run without it (ttt.enabled=false) contributes one. Writes
 DIR/loss_by_position_compare.png and .md; when the runs have passkey.csv, also
 DIR/passkey_compare.png (exact accuracy by context length, the same curves) and .md (exact accuracy,
-then the fraction of the key's tokens right).
+then the fraction of the key's tokens right); when they have late_loss_by_window.csv, also
+DIR/late_loss_paired.md: each curve's late loss against the first curve's, test window by test window
+(mean difference, its standard error, and how many windows are lower), for the runs that read the
+same test windows.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import csv
 import json
 import sys
 from pathlib import Path
+
+import numpy as np
 
 from .long_context import plot_loss_by_position, plot_passkey_curves
 
@@ -34,6 +39,11 @@ def load_curves(run_dir: Path) -> dict[str, list[dict[str, float]]]:
     return {run_dir.name: rows["adapted"], f"{run_dir.name} (no TTT)": rows["unadapted"]}
 
 
+def curve_modes(run_dir: Path) -> dict[str, str]:
+    """Curve label (as in `load_curves`) -> the mode it reads ("adapted" or "unadapted")."""
+    return dict(zip(load_curves(run_dir), ("adapted", "unadapted")))
+
+
 def load_passkey(run_dir: Path, measure: str = "exact") -> dict[str, list[tuple[int, float]]]:
     """Curve label (as in `load_curves`) -> (context length, passkey accuracy) points of one run, by
     `measure`: "exact" (every digit right) or "token" (the fraction of digits right); empty when the
@@ -42,14 +52,47 @@ def load_passkey(run_dir: Path, measure: str = "exact") -> dict[str, list[tuple[
     if not path.is_file():
         return {}
     rows = list(csv.DictReader(path.open()))
-    points = {
-        mode: [(int(r["length"]), float(r[f"{measure}_{mode}"])) for r in rows]
-        for mode in ("adapted", "unadapted")
+    return {
+        label: [(int(r["length"]), float(r[f"{measure}_{mode}"])) for r in rows]
+        for label, mode in curve_modes(run_dir).items()
     }
-    labels = list(load_curves(run_dir))
-    if len(labels) == 1:
-        return {labels[0]: points["adapted"]}
-    return {labels[0]: points["adapted"], labels[1]: points["unadapted"]}
+
+
+def load_window_losses(run_dir: Path) -> dict[str, dict[str, float]]:
+    """Curve label (as in `load_curves`) -> {test window id: late loss} of one run; empty when the run
+    has no late_loss_by_window.csv (runs from before it was written)."""
+    path = run_dir / "late_loss_by_window.csv"
+    if not path.is_file():
+        return {}
+    rows = list(csv.DictReader(path.open()))
+    return {
+        label: {r["window"]: float(r[f"late_loss_{mode}"]) for r in rows}
+        for label, mode in curve_modes(run_dir).items()
+    }
+
+
+def paired_table(windows: dict[str, dict[str, float]]) -> str:
+    """Each curve's late loss against the first curve's, window by window: the mean over its windows,
+    the mean difference (negative: lower than the first), the difference's standard error over the
+    windows, and the windows where it is lower. A curve read on other test windows is not paired."""
+    (reference, base), *others = windows.items()
+    lines = [
+        f"Late loss per test window, against {reference} ({len(base)} windows):",
+        "",
+        f"| curve | late loss | minus {reference} | standard error | windows lower |",
+        "|---|---|---|---|---|",
+        f"| {reference} | {np.mean(list(base.values())):.4f} | | | |",
+    ]
+    for name, losses in others:
+        mean = np.mean(list(losses.values()))
+        if losses.keys() != base.keys():
+            lines.append(f"| {name} | {mean:.4f} | other test windows: not paired | | |")
+            continue
+        diffs = np.array([losses[window] - base[window] for window in base])
+        error = f"{diffs.std(ddof=1) / np.sqrt(len(diffs)):.4f}" if len(diffs) > 1 else "-"
+        lower = f"{int((diffs < 0).sum())} of {len(diffs)}"
+        lines.append(f"| {name} | {mean:.4f} | {diffs.mean():+.4f} | {error} | {lower} |")
+    return "\n".join(lines) + "\n"
 
 
 def passkey_table(curves: dict[str, list[tuple[int, float]]]) -> str:
@@ -102,6 +145,11 @@ def main(argv: list[str] | None = None) -> int:
             f"Fraction of the key's digits right (teacher-forced):\n\n{passkey_table(tokens)}"
         )
         (args.out / "passkey_compare.md").write_text(table)
+        print("\n" + table, end="")
+    windows = {label: losses for run in args.runs for label, losses in load_window_losses(run).items()}
+    if windows:
+        table = paired_table(windows)
+        (args.out / "late_loss_paired.md").write_text(table)
         print("\n" + table, end="")
     return 0
 

@@ -9,6 +9,7 @@ training)."""
 from __future__ import annotations
 
 import csv
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +53,21 @@ class LongContextEvalConfig:
             raise ValueError(f"eval.passkey_lengths must be ints >= 2, got {self.passkey_lengths}")
         if self.passkey_trials < 1 or self.passkey_digits < 1:
             raise ValueError("eval.passkey_trials and eval.passkey_digits must be positive ints")
+
+
+def late_start(positions: int, late_fraction: float) -> int:
+    """The first of the last `late_fraction` of `positions` scored positions: where late_loss begins."""
+    return int(positions * (1 - late_fraction))
+
+
+def window_ids(tokens: torch.Tensor) -> torch.Tensor:
+    """A 63-bit fingerprint (B,) int64 of each window of `tokens` (B, N) (on their device): the same
+    window has the same id in every run, so that runs can be compared window by window."""
+    rows = tokens.to(torch.int64).cpu().numpy()
+    ids = [
+        int.from_bytes(hashlib.blake2b(row.tobytes(), digest_size=8).digest(), "little") >> 1 for row in rows
+    ]
+    return torch.tensor(ids, dtype=torch.int64, device=tokens.device)
 
 
 def bin_positions(mean_loss: np.ndarray, bins: int) -> list[dict[str, float]]:
@@ -131,9 +147,14 @@ def plot_passkey(path: Path, rows: list[dict[str, float]]) -> None:
 
 
 def write_long_context_report(
-    run_dir: Path, position_rows: dict[str, list[dict[str, float]]], passkey_rows: list[dict[str, float]]
+    run_dir: Path,
+    position_rows: dict[str, list[dict[str, float]]],
+    passkey_rows: list[dict[str, float]],
+    window_rows: list[dict[str, float | str]],
 ) -> dict[str, str]:
-    """Write loss_by_position.{csv,json,png} and passkey.{csv,png} into run_dir; returns name -> path."""
+    """Write loss_by_position.{csv,json,png}, late_loss_by_window.csv (rows {window: id in hex,
+    late_loss_adapted, late_loss_unadapted}, one per test window) and passkey.{csv,png} into run_dir;
+    returns name -> path."""
     run_dir.mkdir(parents=True, exist_ok=True)
     names = list(position_rows)
     table = [
@@ -149,6 +170,8 @@ def write_long_context_report(
         "loss_by_position_png": run_dir / "loss_by_position.png",
     }
     write_csv(files["loss_by_position_csv"], table)
+    files["late_loss_by_window_csv"] = run_dir / "late_loss_by_window.csv"
+    write_csv(files["late_loss_by_window_csv"], window_rows)
     (run_dir / "loss_by_position.json").write_text(strict_json(position_rows, indent=2) + "\n")
     plot_loss_by_position(
         files["loss_by_position_png"],
