@@ -115,6 +115,15 @@ def write_csv(path: Path, rows: list[dict]) -> None:
         writer.writerows(rows)
 
 
+def add_legend(ax, curves: int) -> None:
+    """The legend of an axes with `curves` lines: inside it for up to 4, beside it for more (it would
+    hide the lines)."""
+    if curves <= 4:
+        ax.legend()
+    else:
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
+
+
 def plot_loss_by_position(path: Path, curves: dict[str, list[dict[str, float]]], title: str) -> None:
     """One line per curve name: loss against the middle position of each bin."""
     fig, (ax,) = new_figure()
@@ -123,7 +132,7 @@ def plot_loss_by_position(path: Path, curves: dict[str, list[dict[str, float]]],
             [(r["start"] + r["end"]) / 2 for r in rows], [r["loss"] for r in rows], marker="o", label=name
         )
     ax.set(xlabel="token position", ylabel="next-token loss (nats)", title=title)
-    ax.legend()
+    add_legend(ax, len(curves))
     save_figure(fig, path)
 
 
@@ -135,7 +144,7 @@ def plot_passkey_curves(path: Path, curves: dict[str, list[tuple[int, float]]]) 
     ax.set(
         xlabel="context length (tokens)", ylabel="passkey exact accuracy", ylim=(-0.05, 1.05), xscale="log"
     )
-    ax.legend()
+    add_legend(ax, len(curves))
     save_figure(fig, path)
 
 
