@@ -6,8 +6,9 @@ Each run directory must hold loss_by_position.json (written by the ttt_e2e, ttt_
 neural_memory recipes). A run that trained with test-time training (or memory writes) contributes two
 curves (with and without it); a run without it (ttt.enabled=false) contributes one. Writes
 DIR/loss_by_position_compare.png and .md; when the runs have passkey.csv, also
-DIR/passkey_compare.png (exact accuracy by context length, the same curves) and .md (exact accuracy,
-then the fraction of the key's tokens right); when they have late_loss_by_window.csv, also
+DIR/passkey_compare.png (exact accuracy and key digits right by context length, the same curves)
+and .md (exact accuracy, then the fraction of the key's tokens right); when they have
+late_loss_by_window.csv, also
 DIR/late_loss_paired.md: each curve's late loss against the first curve's, test window by test window
 (mean difference, its standard error, and how many windows are lower), for the runs that read the
 same test windows.
@@ -138,8 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table, end="")
     passkey = {label: points for run in args.runs for label, points in load_passkey(run).items()}
     if passkey:
-        plot_passkey_curves(args.out / "passkey_compare.png", passkey)
         tokens = {label: points for run in args.runs for label, points in load_passkey(run, "token").items()}
+        plot_passkey_curves(args.out / "passkey_compare.png", passkey, tokens)
         table = (
             f"Exact (every digit of the key right):\n\n{passkey_table(passkey)}\n"
             f"Fraction of the key's digits right (teacher-forced):\n\n{passkey_table(tokens)}"

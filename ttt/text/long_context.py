@@ -136,23 +136,31 @@ def plot_loss_by_position(path: Path, curves: dict[str, list[dict[str, float]]],
     save_figure(fig, path)
 
 
-def plot_passkey_curves(path: Path, curves: dict[str, list[tuple[int, float]]]) -> None:
-    """One line per curve name: exact passkey accuracy against context length, points (length, accuracy)."""
-    fig, (ax,) = new_figure()
-    for name, points in curves.items():
-        ax.plot([length for length, _ in points], [acc for _, acc in points], marker="o", label=name)
-    ax.set(
-        xlabel="context length (tokens)", ylabel="passkey exact accuracy", ylim=(-0.05, 1.05), xscale="log"
-    )
-    add_legend(ax, len(curves))
+def plot_passkey_curves(
+    path: Path, exact: dict[str, list[tuple[int, float]]], digits: dict[str, list[tuple[int, float]]]
+) -> None:
+    """Two panels, one line per curve name, points (context length, accuracy): the passkeys retrieved
+    exactly (`exact`), and the fraction of the key's digits right, teacher-forced (`digits`)."""
+    fig, axes = new_figure(2)
+    for ax, curves, label in (
+        (axes[0], exact, "passkey exact accuracy"),
+        (axes[1], digits, "key digits right"),
+    ):
+        for name, points in curves.items():
+            ax.plot([length for length, _ in points], [acc for _, acc in points], marker="o", label=name)
+        ax.set(xlabel="context length (tokens)", ylabel=label, ylim=(-0.05, 1.05), xscale="log")
+    add_legend(axes[1], len(digits))
     save_figure(fig, path)
 
 
 def plot_passkey(path: Path, rows: list[dict[str, float]]) -> None:
-    """Exact passkey accuracy against context length, with and without test-time training."""
-    plot_passkey_curves(
-        path, {f"TTT {mode}": [(r["length"], r[f"exact_{mode}"]) for r in rows] for mode in MODES}
+    """Exact passkey accuracy and key digits right against context length, with and without
+    test-time training."""
+    exact, digits = (
+        {f"TTT {mode}": [(r["length"], r[f"{measure}_{mode}"]) for r in rows] for mode in MODES}
+        for measure in ("exact", "token")
     )
+    plot_passkey_curves(path, exact, digits)
 
 
 def write_long_context_report(
