@@ -220,7 +220,33 @@ def test_compare_pairs_late_losses_window_by_window(tmp_path, capsys):
     assert "| ttt (no TTT) | 2.0000 | +0.0000 | 0.0000 | 0 of 3 |" in table
     assert "| other | 2.0000 | other test windows: not paired | | |" in table
     assert table in capsys.readouterr().out
+    assert not (tmp_path / "cmp" / "runs_compare.md").exists(), "no run has a summary.json"
     # Runs from before the file was written compare as before, without the paired table.
     (tmp_path / "full" / "late_loss_by_window.csv").unlink()
     assert main([runs[0], "--out", str(tmp_path / "old")]) == 0
     assert not (tmp_path / "old" / "late_loss_paired.md").exists()
+
+
+def test_compare_tabulates_the_runs_summaries(tmp_path):
+    from ttt.text.compare import main
+
+    summaries = {
+        "full": {
+            "outer_steps": 10,
+            "training_time_s": 12.4,
+            "peak_memory_gib": 1.3,
+            "late_loss_adapted": 2.0,
+            "late_loss_unadapted": 2.0,
+            "passkey_exact_64_adapted": 0.5,
+            "passkey_exact_128_adapted": 0.25,
+            "passkey_token_128_adapted": 0.75,
+        },
+        "ttt": {"outer_steps": 10, "late_loss_adapted": 1.5, "late_loss_unadapted": 1.8},
+    }
+    for name, summary in summaries.items():
+        _write_window_run(tmp_path / name, {"a": 1.0})
+        (tmp_path / name / "summary.json").write_text(json.dumps(summary))
+    assert main([str(tmp_path / "full"), str(tmp_path / "ttt"), "--out", str(tmp_path / "cmp")]) == 0
+    table = (tmp_path / "cmp" / "runs_compare.md").read_text()
+    assert "| full | 10 | 12 | 1.3 | 2.000 | - | 128 | 0.250 | 0.750 |" in table
+    assert "| ttt | 10 | - | - | 1.500 | 1.800 | - | - | - |" in table

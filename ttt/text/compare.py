@@ -11,7 +11,8 @@ and .md (exact accuracy, then the fraction of the key's tokens right); when they
 late_loss_by_window.csv, also
 DIR/late_loss_paired.md: each curve's late loss against the first curve's, test window by test window
 (mean difference, its standard error, and how many windows are lower), for the runs that read the
-same test windows.
+same test windows; when they have summary.json, also DIR/runs_compare.md: outer steps, training time,
+peak memory, late loss and passkey accuracy at the longest length, one row per run.
 """
 
 from __future__ import annotations
@@ -96,6 +97,37 @@ def paired_table(windows: dict[str, dict[str, float]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def runs_table(summaries: dict[str, dict]) -> str:
+    """One row per run (run name -> its summary.json): outer steps, training time as run (the GPU may
+    have been shared), peak memory, the test late loss with and without TTT (one value for a run
+    without TTT), and passkey exact / digit accuracy with TTT at the longest context length tested."""
+
+    def cell(value: float | None, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    lines = [
+        "| run | outer steps | training time (s) | peak memory (GiB) | late loss | without TTT "
+        "| passkey length | passkey exact | key digits |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, summary in summaries.items():
+        lengths = [int(key.split("_")[2]) for key in summary if key.startswith("passkey_exact_")]
+        longest = max(lengths, default=None)
+        late, without = summary.get("late_loss_adapted"), summary.get("late_loss_unadapted")
+        cells = [
+            cell(summary.get("outer_steps"), "d"),
+            cell(summary.get("training_time_s"), ".0f"),
+            cell(summary.get("peak_memory_gib"), ".1f"),
+            cell(late, ".3f"),
+            cell(without if without != late else None, ".3f"),
+            cell(longest, "d"),
+            cell(summary.get(f"passkey_exact_{longest}_adapted"), ".3f"),
+            cell(summary.get(f"passkey_token_{longest}_adapted"), ".3f"),
+        ]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def passkey_table(curves: dict[str, list[tuple[int, float]]]) -> str:
     """Passkey accuracy per context length (columns) of each curve (rows)."""
     lengths = sorted({length for points in curves.values() for length, _ in points})
@@ -146,6 +178,15 @@ def main(argv: list[str] | None = None) -> int:
             f"Fraction of the key's digits right (teacher-forced):\n\n{passkey_table(tokens)}"
         )
         (args.out / "passkey_compare.md").write_text(table)
+        print("\n" + table, end="")
+    summaries = {
+        run.name: json.loads((run / "summary.json").read_text())
+        for run in args.runs
+        if (run / "summary.json").is_file()
+    }
+    if summaries:
+        table = runs_table(summaries)
+        (args.out / "runs_compare.md").write_text(table)
         print("\n" + table, end="")
     windows = {label: losses for run in args.runs for label, losses in load_window_losses(run).items()}
     if windows:
