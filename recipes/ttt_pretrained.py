@@ -30,7 +30,7 @@ from .ttt_e2e import build_data, build_learner
 
 COMPARED_FIELDS = (
     "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
-    "rope_theta", "norm_eps", "tie_embeddings", "qkv_bias",
+    "rope_theta", "rope_scaling", "norm_eps", "tie_embeddings", "qkv_bias",
 )  # fmt: skip
 """Architecture fields a checkpoint must share with the preset (attention and window are ours to choose)."""
 

@@ -76,9 +76,12 @@ def test_bad_checkpoints_fail_with_clear_messages(llama_reference, tmp_path):
     tensors["model.layers.0.mystery.weight"] = torch.zeros(2)
     with pytest.raises(ValueError, match="mystery"):
         from_pretrained(write_checkpoint(tmp_path / "unknown", LLAMA_JSON, tensors))
-    scaled = {**LLAMA_JSON, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}
-    with pytest.raises(ValueError, match="llama3"):
+    scaled = {**LLAMA_JSON, "rope_scaling": {"rope_type": "yarn", "factor": 8.0}}
+    with pytest.raises(ValueError, match="rope scaling 'yarn' is not supported"):
         from_pretrained(write_checkpoint(tmp_path / "scaled", scaled, hf_llama_tensors(reference)))
+    scaled = {**LLAMA_JSON, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}
+    with pytest.raises(ValueError, match=r"'llama3' is missing \['low_freq_factor'"):
+        from_pretrained(write_checkpoint(tmp_path / "scaled3", scaled, hf_llama_tensors(reference)))
     incomplete = {key: value for key, value in LLAMA_JSON.items() if key != "intermediate_size"}
     with pytest.raises(ValueError, match="LlamaForCausalLM: missing key 'intermediate_size'"):
         from_pretrained(write_checkpoint(tmp_path / "incomplete", incomplete, hf_llama_tensors(reference)))
@@ -108,6 +111,21 @@ def _hf_models():
     return {
         "llama": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**common, rope_theta=1000.0, rms_norm_eps=1e-5)),
         "smollm2-tied": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**common, tie_word_embeddings=True)),
+        # Llama 3.2's rope scaling, its context shrunk so that every frequency band occurs at head_dim 8:
+        # wavelengths 6.3 (blended), 20 (divided by the factor: above 16 / 1), 63 and 200 (divided)
+        "llama3.2-rope": lambda: tf.LlamaForCausalLM(
+            tf.LlamaConfig(
+                **common,
+                rope_theta=100.0,
+                rope_scaling={
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 16,
+                },
+            )
+        ),
         "qwen2": lambda: tf.Qwen2ForCausalLM(
             tf.Qwen2Config(**common, rope_theta=1e6, tie_word_embeddings=True)
         ),
@@ -115,7 +133,7 @@ def _hf_models():
 
 
 @pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed")
-@pytest.mark.parametrize("family", ["llama", "smollm2-tied", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "smollm2-tied", "llama3.2-rope", "qwen2"])
 def test_logits_match_transformers(family, tmp_path):
     torch.manual_seed(0)
     hf_model = _hf_models()[family]().float().eval()
@@ -129,6 +147,10 @@ def test_logits_match_transformers(family, tmp_path):
         expected = hf_model.to(device)(TOKENS.to(device)).logits
         got = ours(TOKENS.to(device))
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    if family == "llama3.2-rope":  # the scaling is what makes them match
+        with torch.no_grad():
+            unscaled = from_pretrained(path, rope_scaling=None).to(device)(TOKENS.to(device))
+        assert (unscaled - expected).abs().max() > 1e-2
 
 
 @pytest.mark.gpu

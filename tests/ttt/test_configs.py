@@ -188,3 +188,15 @@ def test_cli_help_print_config_and_errors(capsys):
     assert "lr: 0.5" in capsys.readouterr().out
     assert main(["recipe=nope"]) == 2
     assert "maml_longctx" in capsys.readouterr().err
+
+
+def test_an_optional_section_null_by_default_takes_its_keys_by_name():
+    """model.architecture.rope_scaling is null unless given; its keys are checked against its type."""
+    assert load_config(["recipe=ttt_pretrained_toy"]).model.architecture.rope_scaling is None
+    scaling = load_config(["recipe=ttt_pretrained_toy", "model.architecture.rope_scaling.factor=4"])
+    assert scaling.model.architecture.rope_scaling.factor == 4.0
+    assert scaling.model.architecture.rope_scaling.original_max_position_embeddings == 8192
+    with pytest.raises(ConfigError, match="rope_scaling.fctor.*did you mean 'factor'"):
+        load_config(["recipe=ttt_pretrained_toy", "model.architecture.rope_scaling.fctor=4"])
+    with pytest.raises(ConfigError, match="low_freq_factor < high_freq_factor, got 4.0 and 4.0"):
+        load_config(["recipe=ttt_pretrained_toy", "model.architecture.rope_scaling.low_freq_factor=4"])

@@ -6,6 +6,7 @@ import torch
 
 from ttt.inner import InnerLoopConfig
 from ttt.models import Transformer, TransformerConfig
+from ttt.models.transformer import RopeScaling
 from ttt.ttt_layers import TTTConfig, TTTTransformer
 
 EXTRA = ["layers.*.ttt_mlp.*"]
@@ -53,6 +54,24 @@ def test_reading_without_updates_equals_the_sliding_window_model(window, chunk_l
     # the extra MLP starts at zero: a fresh TTT model computes exactly the base model even when adapting
     # its first chunk (only the first chunk is scored before any update)
     torch.testing.assert_close(model(x)[:, :chunk_len], expected[:, :chunk_len], rtol=1e-5, atol=1e-5)
+
+
+def test_chunked_reading_applies_the_rope_scaling_of_the_model():
+    """Llama 3.1-style scaled RoPE (a short original context, so that it acts within 19 tokens)."""
+    torch.manual_seed(0)
+    scaling = RopeScaling(factor=4.0, original_max_position_embeddings=8)
+    cfg = TransformerConfig(vocab_size=32, d_model=16, n_layers=3, n_heads=2, d_ff=24, rope_scaling=scaling)
+    base = Transformer(cfg)
+    with torch.no_grad():  # sharp attention, so that positions matter
+        for layer in base.layers:
+            layer.attn.wq.weight.mul_(30)
+            layer.attn.wk.weight.mul_(30)
+    x = tokens()
+    expected = base(x)
+    model = TTTTransformer(base, TTTConfig(suffix_len=2, chunk_len=4), InnerLoopConfig(params=EXTRA))
+    torch.testing.assert_close(model(x, adapt=False), expected, rtol=1e-5, atol=1e-5)
+    base.cfg.rope_scaling = None
+    assert (base(x) - expected).abs().max() > 1e-3, "the scaling changes the model"
 
 
 def test_updates_change_later_chunks_only_and_stay_causal():

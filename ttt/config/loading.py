@@ -14,6 +14,7 @@ and invalid values raise ConfigError naming the key.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from enum import Enum
 from pathlib import Path
@@ -106,6 +107,8 @@ def _check_keys(given: Any, schema: Any, where: str, prefix: str = "") -> None:
     are turned into the choice's string."""
     if not isinstance(given, DictConfig) or not isinstance(schema, DictConfig):
         return
+    if schema._is_none() and dataclasses.is_dataclass(schema._metadata.ref_type):
+        schema = OmegaConf.structured(schema._metadata.ref_type)  # an optional section, null by default
     valid = [str(k) for k in schema]
     for key in given:
         full = f"{prefix}{key}"

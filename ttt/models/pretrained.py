@@ -5,7 +5,8 @@ the project's models, with attention through the project's switch (FlashBoB by d
     logits = model(tokens)                     # tokens (B, N) int64 -> logits (B, N, vocab), float32
 
 Supported `architectures` (config.json):
-    LlamaForCausalLM (Llama 2/3 without rope scaling, SmolLM / SmolLM2, TinyLlama) -> `Transformer`
+    LlamaForCausalLM (Llama 2/3, Llama 3.1+ rope scaling "llama3", SmolLM / SmolLM2, TinyLlama)
+                                                                                      -> `Transformer`
     Qwen2ForCausalLM (Qwen2, Qwen2.5; q/k/v biases)                                   -> `Transformer`
 Weights: model.safetensors, or shards listed in model.safetensors.index.json. Every tensor is
 checked: a missing, unexpected or mis-shaped weight is an error that names it.
@@ -22,7 +23,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from .transformer import Transformer, TransformerConfig
+from .transformer import RopeScaling, Transformer, TransformerConfig
 
 LLAMA_NAMES = [
     (r"model\.embed_tokens\.weight", "embed.weight"),
@@ -39,15 +40,27 @@ LLAMA_NAMES = [
 LLAMA_IGNORED = r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq"
 """Buffers some older Llama checkpoints store; they are recomputed."""
 
-def _rope_theta(hf: dict) -> float:
+ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+"""The keys of a config.json rope_scaling of rope_type "llama3" (all required)."""
+
+
+def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, rope_scaling) of a config.json: rope_scaling / rope_parameters of rope_type
+    "default" (plain RoPE) or "llama3"; any other type is refused by name."""
     params = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or params
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type != "default":
+    theta = float(hf.get("rope_theta", params.get("rope_theta", 10000.0)))
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "llama3":
         raise ValueError(
-            f"config.json: rope scaling {rope_type!r} is not supported (only plain RoPE, rope_type 'default')"
+            f"config.json: rope scaling {rope_type!r} is not supported (rope_type 'default' or 'llama3')"
         )
-    return float(hf.get("rope_theta", params.get("rope_theta", 10000.0)))
+    missing = [key for key in ROPE_SCALING_KEYS if key not in scaling]
+    if missing:
+        raise ValueError(f"config.json: rope scaling 'llama3' is missing {missing}")
+    return theta, RopeScaling(**{key: scaling[key] for key in ROPE_SCALING_KEYS})
 
 
 def _required(hf: dict, key: str):
@@ -67,6 +80,7 @@ def llama_config(hf: dict) -> TransformerConfig:
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"config.json: hidden_act must be 'silu' (SwiGLU), got {hf['hidden_act']!r}")
     _require_false(hf, "attention_bias", "mlp_bias", "use_sliding_window")
+    rope_theta, rope_scaling = _rope(hf)
     return TransformerConfig(
         vocab_size=_required(hf, "vocab_size"),
         d_model=_required(hf, "hidden_size"),
@@ -75,7 +89,8 @@ def llama_config(hf: dict) -> TransformerConfig:
         n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
         head_dim=hf.get("head_dim"),
         d_ff=_required(hf, "intermediate_size"),
-        rope_theta=_rope_theta(hf),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
         norm_eps=hf.get("rms_norm_eps", 1e-6),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=hf["architectures"][0] == "Qwen2ForCausalLM",
@@ -179,9 +194,7 @@ def pretrained_config(path: str | Path, **overrides) -> TransformerConfig:
     return _with_overrides(llama_config(read_hf_config(Path(path))), overrides)
 
 
-def from_pretrained(
-    path: str | Path, *, dtype: torch.dtype = torch.float32, **overrides
-) -> Transformer:
+def from_pretrained(path: str | Path, *, dtype: torch.dtype = torch.float32, **overrides) -> Transformer:
     """The model stored in Hugging Face format in directory `path`, its weights cast to `dtype`.
 
     overrides: fields of the model config, e.g. attention="eager" or window=1024 (the attention

@@ -113,7 +113,9 @@ class ChunkedReader(nn.Module):
         `_initial_state`; checkpoint: recompute each chunk in the outer backward (with outer_grad only);
         outer_grad=False detaches every chunk (evaluation: memory stays flat)."""
         batch, n = tokens.shape
-        cos, sin = rope_cos_sin(n, self.cfg.head_dim, self.cfg.rope_theta, tokens.device)
+        cos, sin = rope_cos_sin(
+            n, self.cfg.head_dim, self.cfg.rope_theta, tokens.device, self.cfg.rope_scaling
+        )
         with torch.set_grad_enabled(outer_grad and torch.is_grad_enabled()):
             hidden = self.embed(tokens)
             for block in self.layers[: self.first_suffix]:
