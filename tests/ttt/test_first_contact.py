@@ -22,6 +22,14 @@ def test_recipe_help_lists_every_key_with_type_value_and_doc(capsys):
     assert "  trainer.max_steps: int = " in out and "Outer (meta) optimizer steps." in out
     assert "  optim.schedule_steps: int | None = " in out
     assert "  trainer.detect_anomaly: bool = false" in out
+
+
+def test_recipe_help_lists_the_keys_of_a_section_that_is_null_by_default(capsys):
+    assert main(["recipe=ttt_pretrained_toy", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "  model.architecture.rope_scaling: RopeScaling | None = null\n" in out
+    assert "  model.architecture.rope_scaling.factor: float = 8.0\n" in out
+    assert "(default once model.architecture.rope_scaling is given)" in out
     assert main(["--help"]) == 0
     assert "recipe=NAME --help" in capsys.readouterr().out
 

@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import inspect
 import textwrap
+import typing
 from enum import Enum
 from typing import Any
 
@@ -37,9 +38,22 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+def optional_section(cls: type, name: str) -> type | None:
+    """The dataclass D of field `name` of dataclass `cls` when the field is typed `D | None` (a section
+    that is null unless given), else None."""
+    try:
+        hint = typing.get_type_hints(cls)[name]
+    except (NameError, TypeError):  # an annotation that does not resolve here
+        return None
+    args = typing.get_args(hint)
+    sections = [arg for arg in args if dataclasses.is_dataclass(arg)]
+    return sections[0] if type(None) in args and len(sections) == 1 else None
+
+
 def config_keys(cfg: Any, prefix: str = "") -> list[tuple[str, str, Any, str]]:
     """Rows (dotted key, type, value, doc) for every leaf field of dataclass instance `cfg`, sections
-    (fields holding dataclasses) expanded in place, in declaration order."""
+    (fields holding dataclasses) expanded in place, in declaration order. A section that is null
+    unless given is listed as null, then its keys with their defaults when it is given."""
     rows = []
     docs = field_docs(type(cfg))
     for item in dataclasses.fields(cfg):
@@ -47,11 +61,17 @@ def config_keys(cfg: Any, prefix: str = "") -> list[tuple[str, str, Any, str]]:
         key = f"{prefix}{item.name}"
         if dataclasses.is_dataclass(value):
             rows += config_keys(value, f"{key}.")
-        else:
-            kind = item.type if isinstance(item.type, str) else getattr(item.type, "__name__", str(item.type))
-            if isinstance(value, Enum):  # a Choice: show the values it takes
-                kind = "one of " + " | ".join(str(member.value) for member in type(value))
-            rows.append((key, kind, value, docs.get(item.name, "")))
+            continue
+        kind = item.type if isinstance(item.type, str) else getattr(item.type, "__name__", str(item.type))
+        if isinstance(value, Enum):  # a Choice: show the values it takes
+            kind = "one of " + " | ".join(str(member.value) for member in type(value))
+        rows.append((key, kind, value, docs.get(item.name, "")))
+        section = optional_section(type(cfg), item.name) if value is None else None
+        if section is not None:
+            rows += [
+                (sub_key, sub_kind, sub_value, f"{sub_doc} (default once {key} is given)")
+                for sub_key, sub_kind, sub_value, sub_doc in config_keys(section(), f"{key}.")
+            ]
     return rows
 
 
