@@ -250,3 +250,21 @@ def test_compare_tabulates_the_runs_summaries(tmp_path):
     table = (tmp_path / "cmp" / "runs_compare.md").read_text()
     assert "| full | 10 | 12 | 1.3 | 2.000 | - | 128 | 0.250 | 0.750 |" in table
     assert "| ttt | 10 | - | - | 1.500 | 1.800 | - | - | - |" in table
+
+
+def test_compare_plots_validation_against_steps_and_training_time(tmp_path):
+    from ttt.text.compare import load_validation, main
+
+    _write_window_run(tmp_path / "ttt", {"a": 1.0}, unadapted={"a": 2.0})
+    logs = tmp_path / "ttt" / "logs" / "version_0"
+    logs.mkdir(parents=True)
+    (logs / "metrics.csv").write_text(
+        "epoch,step,train/time_s,val/late_loss_adapted,val/late_loss_unadapted\n"
+        "0,4,1.5,,\n0,9,3.0,,\n0,9,,2.5,2.75\n1,14,4.5,,\n1,19,6.0,,\n1,19,,2.0,2.5\n"
+    )
+    assert load_validation(tmp_path / "ttt") == {
+        "ttt": [(9, 3.0, 2.5), (19, 6.0, 2.0)],
+        "ttt (no TTT)": [(9, 3.0, 2.75), (19, 6.0, 2.5)],
+    }
+    assert main([str(tmp_path / "ttt"), "--out", str(tmp_path / "cmp")]) == 0
+    assert (tmp_path / "cmp" / "validation_compare.png").stat().st_size > 0

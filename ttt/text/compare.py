@@ -12,7 +12,9 @@ late_loss_by_window.csv, also
 DIR/late_loss_paired.md: each curve's late loss against the first curve's, test window by test window
 (mean difference, its standard error, and how many windows are lower), for the runs that read the
 same test windows; when they have summary.json, also DIR/runs_compare.md: outer steps, training time,
-peak memory, late loss and passkey accuracy at the longest length, one row per run.
+peak memory, late loss and passkey accuracy at the longest length, one row per run; when they logged
+validations, also DIR/validation_compare.png: the validation late loss against the outer step and
+against the training time (as the runs ran: a GPU shared between runs slows each).
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .long_context import plot_loss_by_position, plot_passkey_curves
+from ttt.tracking.report import read_logged_metrics
+
+from .long_context import plot_loss_by_position, plot_passkey_curves, plot_validation_curves
 
 
 def load_curves(run_dir: Path) -> dict[str, list[dict[str, float]]]:
@@ -71,6 +75,24 @@ def load_window_losses(run_dir: Path) -> dict[str, dict[str, float]]:
         label: {r["window"]: float(r[f"late_loss_{mode}"]) for r in rows}
         for label, mode in curve_modes(run_dir).items()
     }
+
+
+def load_validation(run_dir: Path) -> dict[str, list[tuple[int, float, float]]]:
+    """Curve label (as in `load_curves`) -> (outer step, training time in s, validation late loss)
+    points of one run: every logged validation, its time that of the last training step logged at or
+    before it; empty when the run logged no validation or no training time."""
+    series = read_logged_metrics(run_dir)
+    times = series.get("train/time_s", [])
+    curves = {}
+    for label, mode in curve_modes(run_dir).items():
+        points = []
+        for step, loss in series.get(f"val/late_loss_{mode}", []):
+            before = [time for logged, time in times if logged <= step]
+            if before:
+                points.append((step, before[-1], loss))
+        if points:
+            curves[label] = points
+    return curves
 
 
 def paired_table(windows: dict[str, dict[str, float]]) -> str:
@@ -188,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
         table = runs_table(summaries)
         (args.out / "runs_compare.md").write_text(table)
         print("\n" + table, end="")
+    validation = {label: points for run in args.runs for label, points in load_validation(run).items()}
+    if validation:
+        plot_validation_curves(args.out / "validation_compare.png", validation)
     windows = {label: losses for run in args.runs for label, losses in load_window_losses(run).items()}
     if windows:
         table = paired_table(windows)

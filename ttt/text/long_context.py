@@ -136,6 +136,19 @@ def plot_loss_by_position(path: Path, curves: dict[str, list[dict[str, float]]],
     save_figure(fig, path)
 
 
+def plot_validation_curves(path: Path, curves: dict[str, list[tuple[int, float, float]]]) -> None:
+    """Two panels, one line per curve name, points (outer step, training time in s, validation late
+    loss): the loss against the outer step (equal steps) and against the training time (equal
+    wall-clock, as the runs ran)."""
+    fig, axes = new_figure(2)
+    for ax, column, xlabel in ((axes[0], 0, "outer step"), (axes[1], 1, "training time (s)")):
+        for name, points in curves.items():
+            ax.plot([p[column] for p in points], [p[2] for p in points], marker="o", label=name)
+        ax.set(xlabel=xlabel, ylabel="validation late loss (nats)")
+    add_legend(axes[1], len(curves))
+    save_figure(fig, path)
+
+
 def plot_passkey_curves(
     path: Path, exact: dict[str, list[tuple[int, float]]], digits: dict[str, list[tuple[int, float]]]
 ) -> None:
