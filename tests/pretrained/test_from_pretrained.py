@@ -76,9 +76,16 @@ def test_bad_checkpoints_fail_with_clear_messages(llama_reference, tmp_path):
     tensors["model.layers.0.mystery.weight"] = torch.zeros(2)
     with pytest.raises(ValueError, match="mystery"):
         from_pretrained(write_checkpoint(tmp_path / "unknown", LLAMA_JSON, tensors))
-    scaled = {**LLAMA_JSON, "rope_scaling": {"rope_type": "yarn", "factor": 8.0}}
-    with pytest.raises(ValueError, match="rope scaling 'yarn' is not supported"):
+    scaled = {**LLAMA_JSON, "rope_scaling": {"rope_type": "dynamic", "factor": 8.0}}
+    with pytest.raises(ValueError, match="rope scaling 'dynamic' is not supported"):
         from_pretrained(write_checkpoint(tmp_path / "scaled", scaled, hf_llama_tensors(reference)))
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "mscale": 0.7}
+    with pytest.raises(ValueError, match="'yarn' with mscale=0.7 is not supported"):
+        from_pretrained(
+            write_checkpoint(
+                tmp_path / "mscale", {**LLAMA_JSON, "rope_scaling": yarn}, hf_llama_tensors(reference)
+            )
+        )
     scaled = {**LLAMA_JSON, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}
     with pytest.raises(ValueError, match=r"'llama3' is missing \['low_freq_factor'"):
         from_pretrained(write_checkpoint(tmp_path / "scaled3", scaled, hf_llama_tensors(reference)))
@@ -129,11 +136,27 @@ def _hf_models():
         "qwen2": lambda: tf.Qwen2ForCausalLM(
             tf.Qwen2Config(**common, rope_theta=1e6, tie_word_embeddings=True)
         ),
+        # Qwen2.5's YaRN for long context, its context shrunk so that all of it acts at head_dim 8: in
+        # 32 positions at theta 100 the 4 rotary pairs turn 5.1, 1.6, 0.5 and 0.16 times, so pair 0 is
+        # kept, pair 1 half scaled and pairs 2-3 fully; cos and sin are multiplied by 0.1 ln 4 + 1
+        "qwen2.5-yarn": lambda: tf.Qwen2ForCausalLM(
+            tf.Qwen2Config(
+                **common,
+                rope_theta=100.0,
+                rope_scaling={
+                    "rope_type": "yarn",
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 32,
+                    "beta_fast": 4.0,
+                    "beta_slow": 1.0,
+                },
+            )
+        ),
     }
 
 
 @pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed")
-@pytest.mark.parametrize("family", ["llama", "smollm2-tied", "llama3.2-rope", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "smollm2-tied", "llama3.2-rope", "qwen2", "qwen2.5-yarn"])
 def test_logits_match_transformers(family, tmp_path):
     torch.manual_seed(0)
     hf_model = _hf_models()[family]().float().eval()
@@ -147,7 +170,7 @@ def test_logits_match_transformers(family, tmp_path):
         expected = hf_model.to(device)(TOKENS.to(device)).logits
         got = ours(TOKENS.to(device))
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
-    if family == "llama3.2-rope":  # the scaling is what makes them match
+    if family in ("llama3.2-rope", "qwen2.5-yarn"):  # the scaling is what makes them match
         with torch.no_grad():
             unscaled = from_pretrained(path, rope_scaling=None).to(device)(TOKENS.to(device))
         assert (unscaled - expected).abs().max() > 1e-2

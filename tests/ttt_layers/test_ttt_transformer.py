@@ -6,7 +6,7 @@ import torch
 
 from ttt.inner import InnerLoopConfig
 from ttt.models import Transformer, TransformerConfig
-from ttt.models.transformer import RopeScaling
+from ttt.models.rope import RopeScaling
 from ttt.ttt_layers import TTTConfig, TTTTransformer
 
 EXTRA = ["layers.*.ttt_mlp.*"]

@@ -5,9 +5,9 @@ the project's models, with attention through the project's switch (FlashBoB by d
     logits = model(tokens)                     # tokens (B, N) int64 -> logits (B, N, vocab), float32
 
 Supported `architectures` (config.json):
-    LlamaForCausalLM (Llama 2/3, Llama 3.1+ rope scaling "llama3", SmolLM / SmolLM2, TinyLlama)
-                                                                                      -> `Transformer`
+    LlamaForCausalLM (Llama 2/3/3.1/3.2, SmolLM / SmolLM2, TinyLlama)                -> `Transformer`
     Qwen2ForCausalLM (Qwen2, Qwen2.5; q/k/v biases)                                   -> `Transformer`
+RoPE: plain, or scaled as Llama 3.1's "llama3" or YaRN's "yarn" (`ttt.models.rope`).
 Weights: model.safetensors, or shards listed in model.safetensors.index.json. Every tensor is
 checked: a missing, unexpected or mis-shaped weight is an error that names it.
 """
@@ -23,7 +23,8 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from .transformer import RopeScaling, Transformer, TransformerConfig
+from .rope import RopeScaling
+from .transformer import Transformer, TransformerConfig
 
 LLAMA_NAMES = [
     (r"model\.embed_tokens\.weight", "embed.weight"),
@@ -40,27 +41,43 @@ LLAMA_NAMES = [
 LLAMA_IGNORED = r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq"
 """Buffers some older Llama checkpoints store; they are recomputed."""
 
-ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-"""The keys of a config.json rope_scaling of rope_type "llama3" (all required)."""
+ROPE_SCALING_KEYS = {
+    "llama3": (("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"), ()),
+    "yarn": (("factor", "original_max_position_embeddings"), ("beta_fast", "beta_slow", "attention_factor")),
+}
+"""rope_type -> (required keys, optional keys) of a config.json rope scaling that `RopeScaling` takes."""
+
+YARN_ONLY_VALUES = {"mscale": None, "mscale_all_dim": None, "truncate": True, "partial_rotary_factor": 1.0}
+"""YaRN options -> the one value taken (absent counts as it): DeepSeek's mscale pair, an untruncated
+blend and partial rotary dimensions are not implemented."""
 
 
 def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
     """(rope_theta, rope_scaling) of a config.json: rope_scaling / rope_parameters of rope_type
-    "default" (plain RoPE) or "llama3"; any other type is refused by name."""
+    "default" (plain RoPE), "llama3" or "yarn"; any other type or option is refused by name."""
     params = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or params
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     theta = float(hf.get("rope_theta", params.get("rope_theta", 10000.0)))
     if rope_type == "default":
         return theta, None
-    if rope_type != "llama3":
-        raise ValueError(
-            f"config.json: rope scaling {rope_type!r} is not supported (rope_type 'default' or 'llama3')"
-        )
-    missing = [key for key in ROPE_SCALING_KEYS if key not in scaling]
+    if rope_type not in ROPE_SCALING_KEYS:
+        supported = ", ".join(repr(name) for name in ("default", *ROPE_SCALING_KEYS))
+        raise ValueError(f"config.json: rope scaling {rope_type!r} is not supported (rope_type {supported})")
+    required, optional = ROPE_SCALING_KEYS[rope_type]
+    missing = [key for key in required if scaling.get(key) is None]
     if missing:
-        raise ValueError(f"config.json: rope scaling 'llama3' is missing {missing}")
-    return theta, RopeScaling(**{key: scaling[key] for key in ROPE_SCALING_KEYS})
+        raise ValueError(f"config.json: rope scaling {rope_type!r} is missing {missing}")
+    if rope_type == "yarn":
+        for key, taken in YARN_ONLY_VALUES.items():
+            value = scaling.get(key)
+            if value is not None and value != taken:
+                raise ValueError(
+                    f"config.json: rope scaling 'yarn' with {key}={value!r} is not supported "
+                    f"(expected {taken!r} or absent)"
+                )
+    given = {key: scaling[key] for key in (*required, *optional) if scaling.get(key) is not None}
+    return theta, RopeScaling(rope_type=rope_type, **given)
 
 
 def _required(hf: dict, key: str):

@@ -28,46 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import AttentionBackend, attention
-
-
-@dataclass
-class RopeScaling:
-    """Llama 3.1's RoPE frequency scaling (config.json rope_scaling with rope_type "llama3"): rotary
-    frequencies whose wavelength is longer than original_max_position_embeddings / low_freq_factor are
-    divided by factor, those shorter than original_max_position_embeddings / high_freq_factor are kept,
-    and those between are interpolated smoothly."""
-
-    factor: float = 8.0
-    """Division of the low frequencies."""
-    low_freq_factor: float = 1.0
-    """Wavelengths above original_max_position_embeddings / low_freq_factor are scaled fully."""
-    high_freq_factor: float = 4.0
-    """Wavelengths below original_max_position_embeddings / high_freq_factor are kept."""
-    original_max_position_embeddings: int = 8192
-    """The context length the model was pretrained at before its context was extended."""
-
-    def __post_init__(self):
-        if self.factor <= 0 or self.original_max_position_embeddings < 1:
-            raise ValueError(
-                "model.rope_scaling.factor and .original_max_position_embeddings must be positive, got "
-                f"{self.factor} and {self.original_max_position_embeddings}"
-            )
-        if not 0 < self.low_freq_factor < self.high_freq_factor:
-            raise ValueError(
-                "model.rope_scaling needs 0 < low_freq_factor < high_freq_factor, got "
-                f"{self.low_freq_factor} and {self.high_freq_factor}"
-            )
-
-    def apply(self, inv_freq: torch.Tensor) -> torch.Tensor:
-        """Scaled rotary frequencies (head_dim / 2,) of the unscaled ones."""
-        wavelength = 2 * math.pi / inv_freq
-        context = self.original_max_position_embeddings
-        smooth = (context / wavelength - self.low_freq_factor) / (
-            self.high_freq_factor - self.low_freq_factor
-        )
-        blended = (1 - smooth) * inv_freq / self.factor + smooth * inv_freq
-        scaled = torch.where(wavelength > context / self.low_freq_factor, inv_freq / self.factor, blended)
-        return torch.where(wavelength < context / self.high_freq_factor, inv_freq, scaled)
+from .rope import RopeScaling, rope_cos_sin
 
 
 @dataclass
@@ -154,19 +115,6 @@ class RMSNorm(nn.Module):
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         weight = self.weight if self.weight.dim() == 1 else self.weight[:, None]  # (B, dim): one per sequence
         return weight * normed.to(x.dtype)
-
-
-def rope_cos_sin(
-    seq_len: int, head_dim: int, theta: float, device: torch.device, scaling: RopeScaling | None = None
-) -> tuple[torch.Tensor, ...]:
-    """Rotary tables for positions 0..seq_len-1: cos and sin, each (seq_len, head_dim), float32; the
-    frequencies scaled by `scaling` where given."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    if scaling is not None:
-        inv_freq = scaling.apply(inv_freq)
-    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos(), angles.sin()
 
 
 def project(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
