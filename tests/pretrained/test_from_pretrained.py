@@ -103,6 +103,18 @@ def _save_hf_model(hf_model, path):
     return path
 
 
+LLAMA3_ROPE = {
+    "rope_theta": 100.0,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 16},
+}  # fmt: skip
+YARN_ROPE = {
+    "rope_theta": 100.0,
+    "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                     "beta_fast": 4.0, "beta_slow": 1.0},
+}  # fmt: skip
+
+
 def _hf_models():
     import transformers as tf
 
@@ -120,38 +132,14 @@ def _hf_models():
         "smollm2-tied": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**common, tie_word_embeddings=True)),
         # Llama 3.2's rope scaling, its context shrunk so that every frequency band occurs at head_dim 8:
         # wavelengths 6.3 (blended), 20 (divided by the factor: above 16 / 1), 63 and 200 (divided)
-        "llama3.2-rope": lambda: tf.LlamaForCausalLM(
-            tf.LlamaConfig(
-                **common,
-                rope_theta=100.0,
-                rope_scaling={
-                    "rope_type": "llama3",
-                    "factor": 8.0,
-                    "low_freq_factor": 1.0,
-                    "high_freq_factor": 4.0,
-                    "original_max_position_embeddings": 16,
-                },
-            )
-        ),
+        "llama3.2-rope": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**common, **LLAMA3_ROPE)),
         "qwen2": lambda: tf.Qwen2ForCausalLM(
             tf.Qwen2Config(**common, rope_theta=1e6, tie_word_embeddings=True)
         ),
         # Qwen2.5's YaRN for long context, its context shrunk so that all of it acts at head_dim 8: in
         # 32 positions at theta 100 the 4 rotary pairs turn 5.1, 1.6, 0.5 and 0.16 times, so pair 0 is
         # kept, pair 1 half scaled and pairs 2-3 fully; cos and sin are multiplied by 0.1 ln 4 + 1
-        "qwen2.5-yarn": lambda: tf.Qwen2ForCausalLM(
-            tf.Qwen2Config(
-                **common,
-                rope_theta=100.0,
-                rope_scaling={
-                    "rope_type": "yarn",
-                    "factor": 4.0,
-                    "original_max_position_embeddings": 32,
-                    "beta_fast": 4.0,
-                    "beta_slow": 1.0,
-                },
-            )
-        ),
+        "qwen2.5-yarn": lambda: tf.Qwen2ForCausalLM(tf.Qwen2Config(**common, **YARN_ROPE)),
     }
 
 
