@@ -3,12 +3,14 @@
 from .attention import ATTENTION_BACKENDS, attention
 from .mlp import MLP, MLPConfig
 from .pretrained import from_pretrained
+from .rope import RopeScaling
 from .transformer import Transformer, TransformerConfig, next_token_loss
 
 __all__ = [
     "ATTENTION_BACKENDS",
     "MLP",
     "MLPConfig",
+    "RopeScaling",
     "Transformer",
     "TransformerConfig",
     "attention",
