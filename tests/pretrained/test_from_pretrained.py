@@ -89,6 +89,10 @@ def test_bad_checkpoints_fail_with_clear_messages(llama_reference, tmp_path):
     scaled = {**LLAMA_JSON, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}
     with pytest.raises(ValueError, match=r"'llama3' is missing \['low_freq_factor'"):
         from_pretrained(write_checkpoint(tmp_path / "scaled3", scaled, hf_llama_tensors(reference)))
+    for bad, match in (("eight", "factor='eight' is not a number"), (-4.0, "factor and .original_max")):
+        scaled = {**LLAMA_JSON, "rope_scaling": {**yarn, "mscale": None, "factor": bad}}
+        with pytest.raises(ValueError, match=match):
+            from_pretrained(write_checkpoint(tmp_path / "badyarn", scaled, hf_llama_tensors(reference)))
     incomplete = {key: value for key, value in LLAMA_JSON.items() if key != "intermediate_size"}
     with pytest.raises(ValueError, match="LlamaForCausalLM: missing key 'intermediate_size'"):
         from_pretrained(write_checkpoint(tmp_path / "incomplete", incomplete, hf_llama_tensors(reference)))

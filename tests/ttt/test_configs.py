@@ -200,3 +200,5 @@ def test_an_optional_section_null_by_default_takes_its_keys_by_name():
         load_config(["recipe=ttt_pretrained_toy", "model.architecture.rope_scaling.fctor=4"])
     with pytest.raises(ConfigError, match="low_freq_factor < high_freq_factor, got 4.0 and 4.0"):
         load_config(["recipe=ttt_pretrained_toy", "model.architecture.rope_scaling.low_freq_factor=4"])
+    with pytest.raises(ConfigError, match="attention_factor must be positive or null, got 0.0"):
+        load_config(["recipe=ttt_pretrained_toy", "model.architecture.rope_scaling.attention_factor=0"])

@@ -76,7 +76,17 @@ def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
                     f"config.json: rope scaling 'yarn' with {key}={value!r} is not supported "
                     f"(expected {taken!r} or absent)"
                 )
-    given = {key: scaling[key] for key in (*required, *optional) if scaling.get(key) is not None}
+    given = {}
+    for key in (*required, *optional):
+        if scaling.get(key) is None:
+            continue
+        kind = int if key == "original_max_position_embeddings" else float
+        try:
+            given[key] = kind(scaling[key])
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"config.json: rope scaling {rope_type!r}: {key}={scaling[key]!r} is not a number"
+            ) from None
     return theta, RopeScaling(rope_type=rope_type, **given)
 
 

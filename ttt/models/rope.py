@@ -64,6 +64,10 @@ class RopeScaling:
                 "model.rope_scaling needs 0 < beta_slow < beta_fast, got "
                 f"{self.beta_slow} and {self.beta_fast}"
             )
+        if self.attention_factor is not None and self.attention_factor <= 0:
+            raise ValueError(
+                f"model.rope_scaling.attention_factor must be positive or null, got {self.attention_factor}"
+            )
 
     def apply(self, inv_freq: torch.Tensor, theta: float) -> torch.Tensor:
         """Scaled rotary frequencies (head_dim / 2,) of the unscaled ones of base `theta`."""
