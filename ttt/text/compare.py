@@ -175,6 +175,12 @@ def markdown_table(curves: dict[str, list[dict[str, float]]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def emit(path: Path, table: str, first: bool = False) -> None:
+    """Write a markdown table to `path` and print it (after a blank line unless it is the first)."""
+    path.write_text(table)
+    print(("" if first else "\n") + table, end="")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `python -m ttt.text.compare`; returns the exit status."""
     parser = argparse.ArgumentParser(prog="python -m ttt.text.compare", description=__doc__.splitlines()[0])
@@ -188,36 +194,29 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     plot_loss_by_position(args.out / "loss_by_position_compare.png", curves, "loss by token position")
-    table = markdown_table(curves)
-    (args.out / "loss_by_position_compare.md").write_text(table)
-    print(table, end="")
+    emit(args.out / "loss_by_position_compare.md", markdown_table(curves), first=True)
     passkey = {label: points for run in args.runs for label, points in load_passkey(run).items()}
     if passkey:
         tokens = {label: points for run in args.runs for label, points in load_passkey(run, "token").items()}
         plot_passkey_curves(args.out / "passkey_compare.png", passkey, tokens)
-        table = (
+        emit(
+            args.out / "passkey_compare.md",
             f"Exact (every digit of the key right):\n\n{passkey_table(passkey)}\n"
-            f"Fraction of the key's digits right (teacher-forced):\n\n{passkey_table(tokens)}"
+            f"Fraction of the key's digits right (teacher-forced):\n\n{passkey_table(tokens)}",
         )
-        (args.out / "passkey_compare.md").write_text(table)
-        print("\n" + table, end="")
     summaries = {
         run.name: json.loads((run / "summary.json").read_text())
         for run in args.runs
         if (run / "summary.json").is_file()
     }
     if summaries:
-        table = runs_table(summaries)
-        (args.out / "runs_compare.md").write_text(table)
-        print("\n" + table, end="")
+        emit(args.out / "runs_compare.md", runs_table(summaries))
     validation = {label: points for run in args.runs for label, points in load_validation(run).items()}
     if validation:
         plot_validation_curves(args.out / "validation_compare.png", validation)
     windows = {label: losses for run in args.runs for label, losses in load_window_losses(run).items()}
     if windows:
-        table = paired_table(windows)
-        (args.out / "late_loss_paired.md").write_text(table)
-        print("\n" + table, end="")
+        emit(args.out / "late_loss_paired.md", paired_table(windows))
     return 0
 
 
