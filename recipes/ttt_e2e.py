@@ -115,8 +115,14 @@ def text_tokenizer(data: TextDataConfig, model: TransformerConfig):
     return tokenizer
 
 
+def build_module(cfg: Config) -> TTTLanguageLearner:
+    """The learner of `cfg` around a fresh TTT transformer, without its data (`ttt.experiments.scale`
+    feeds it random tokens)."""
+    model = TTTTransformer(Transformer(cfg.model), cfg.ttt, cfg.inner)
+    return build_learner(cfg, model, text_tokenizer(cfg.data, cfg.model))
+
+
 def build(cfg: Config) -> tuple[TTTLanguageLearner, TaskDataModule]:
     """A fresh TTT transformer and the text stream of `cfg`."""
-    tokenizer = text_tokenizer(cfg.data, cfg.model)
-    model = TTTTransformer(Transformer(cfg.model), cfg.ttt, cfg.inner)
-    return build_learner(cfg, model, tokenizer), build_data(cfg, tokenizer)
+    learner = build_module(cfg)
+    return learner, build_data(cfg, learner.tokenizer)

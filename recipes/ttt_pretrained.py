@@ -112,8 +112,9 @@ def load_base_model(cfg: PretrainedConfig) -> Transformer:
     return model
 
 
-def build(cfg: Config) -> tuple[TTTLanguageLearner, TaskDataModule]:
-    """The converted pretrained model (or the transformers model itself) and the text stream of `cfg`."""
+def build_module(cfg: Config) -> TTTLanguageLearner:
+    """The learner of `cfg` around the converted pretrained model (or the transformers model itself),
+    without its data (`ttt.experiments.scale` feeds it random tokens)."""
     checkpoint = cfg.transformers.checkpoint or cfg.model.checkpoint
     spec = cfg.data.tokenizer
     if spec == "checkpoint":
@@ -132,4 +133,10 @@ def build(cfg: Config) -> tuple[TTTLanguageLearner, TaskDataModule]:
         model = TTTTransformer(load_base_model(cfg.model), cfg.ttt, cfg.inner)
     else:
         model = TransformersTTTReader(base, cfg.ttt, cfg.inner)
-    return build_learner(cfg, model, tokenizer), build_data(cfg, tokenizer)
+    return build_learner(cfg, model, tokenizer)
+
+
+def build(cfg: Config) -> tuple[TTTLanguageLearner, TaskDataModule]:
+    """The converted pretrained model (or the transformers model itself) and the text stream of `cfg`."""
+    learner = build_module(cfg)
+    return learner, build_data(cfg, learner.tokenizer)

@@ -76,11 +76,13 @@ class NeuralMemoryTransformer(ChunkedReader):
         weights, states = carry
         return [fresh_leaves(w) for w in weights], [detach_state(s) for s in states]
 
-    def _read_chunk(self, carry, hidden, targets, cos, sin, caches, last, adapt, lr_scale, create_graph):
+    def _read_chunk(
+        self, carry, hidden, targets, cos, sin, caches, last, keep_logits, adapt, lr_scale, create_graph
+    ):
         """Memory blocks and head on one chunk (B, C, d_model) of every sequence, with each block's memory
         weights and write state (carry). Each block writes unless adapt is false or this is the last chunk
-        (the write would have no reader). Returns (logits (B, C, V), per-token losses (B, T) of the first
-        T = targets.shape[1] positions, caches, carry after the chunk's writes)."""
+        (the write would have no reader). Returns (logits (B, C, V) or None unless keep_logits, per-token
+        losses (B, T) of the first T = targets.shape[1] positions, caches, carry after the chunk's writes)."""
         x, out = hidden, ([], [], [])
         retain = torch.is_grad_enabled() and create_graph is not None
         for block, block_weights, state, cache in zip(self.suffix, *carry, caches):
@@ -99,7 +101,7 @@ class NeuralMemoryTransformer(ChunkedReader):
             for bucket, item in zip(out, (cache, block_weights, state)):
                 bucket.append(item)
         new_caches, weights, states = out
-        return *self._score(x, targets), new_caches, (weights, states)
+        return *self._score(x, targets, keep_logits), new_caches, (weights, states)
 
     def read(
         self,

@@ -86,27 +86,29 @@ class TTTTransformer(ChunkedReader):
         fast, state, lrs = carry
         return fresh_leaves(fast), detach_state(state), detach_state(lrs)
 
-    def _suffix_chunk(self, fast, hidden, targets, cos, sin, caches):
+    def _suffix_chunk(self, fast, hidden, targets, cos, sin, caches, keep_logits):
         """Suffix blocks and head on one chunk (B, C, d_model) of every sequence with their fast weights
-        `fast` (each (B, ...)): (logits (B, C, V), per-token losses (B, T) of the first
-        T = targets.shape[1] positions, caches for the next chunk)."""
+        `fast` (each (B, ...)): (logits (B, C, V) or None unless keep_logits, per-token losses (B, T) of
+        the first T = targets.shape[1] positions, caches for the next chunk)."""
         x, new_caches = hidden, []
         for block, names, cache in zip(self.suffix, self.block_params, caches):
             params = {inside: fast[full] for full, inside in names}
             x, cache = functional_call(block, params, (x, cos, sin, cache), strict=False)
             new_caches.append(cache)
-        return *self._score(x, targets), new_caches
+        return *self._score(x, targets, keep_logits), new_caches
 
-    def _read_chunk(self, carry, hidden, targets, cos, sin, caches, last, steps, create_graph):
+    def _read_chunk(self, carry, hidden, targets, cos, sin, caches, last, keep_logits, steps, create_graph):
         """Score one chunk with the fast weights of carry (fast weights, optimizer state, lrs), then take
         `steps` inner steps on each sequence's mean loss over it (none on an empty last chunk). Returns
-        (logits, per-token losses (B, T), caches, carry after the steps)."""
+        (logits or None unless keep_logits, per-token losses (B, T), caches, carry after the steps)."""
         fast, state, lrs = carry
-        logits, scored, new_caches = self._suffix_chunk(fast, hidden, targets, cos, sin, caches)
+        logits, scored, new_caches = self._suffix_chunk(fast, hidden, targets, cos, sin, caches, keep_logits)
         if targets.numel() == 0:
             steps = 0
         for step in range(steps):
-            losses = scored if step == 0 else self._suffix_chunk(fast, hidden, targets, cos, sin, caches)[1]
+            losses = (
+                scored if step == 0 else self._suffix_chunk(fast, hidden, targets, cos, sin, caches, False)[1]
+            )
             fast, state = self.inner.step(
                 losses.mean(1).sum(),  # rows are independent: each row's grad is that of its own mean
                 fast,

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ttt.inner import maybe_checkpoint
+from ttt.models.linear_cross_entropy import linear_cross_entropy
 from ttt.models.transformer import Block, Transformer, rope_cos_sin
 
 from .block import detach_cache
@@ -70,33 +71,36 @@ class ChunkedReader(nn.Module):
         h = self.norm(hidden)
         return h @ self.embed.weight.t() if self.lm_head is None else self.lm_head(h)
 
-    def _score(self, x: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The suffix's output on a chunk x (B, C, d_model) -> (logits (B, C, V), next-token losses (B, T)
-        of its first T = targets.shape[1] positions against targets (B, T), in at least float32)."""
-        logits = self.head(x)
-        return logits, next_token_losses(logits, targets)
+    def _score(
+        self, x: torch.Tensor, targets: torch.Tensor, keep_logits: bool
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The suffix's output on a chunk x (B, C, d_model) -> (logits (B, C, V), or None unless
+        keep_logits, next-token losses (B, T) of its first T = targets.shape[1] positions against
+        targets (B, T), in at least float32). Without keep_logits and with ttt.fused_loss the head and
+        the loss are one `linear_cross_entropy` (no (B, C, V) logits kept, same values and derivatives)."""
+        if keep_logits or not self.ttt_cfg.fused_loss:
+            logits = self.head(x)
+            return (logits if keep_logits else None), next_token_losses(logits, targets)
+        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return None, linear_cross_entropy(self.norm(x[:, : targets.shape[1]]), weight, targets)
 
     def _initial_state(self, batch: int, *, lr_scale: float) -> Carry:
         """Hook: each of the batch sequences' state before the first chunk."""
         raise NotImplementedError
 
     def _read_chunk(
-        self, carry: Carry, hidden, targets, cos, sin, caches, last: bool, *options
-    ) -> tuple[torch.Tensor, torch.Tensor, list, Carry]:
+        self, carry: Carry, hidden, targets, cos, sin, caches, last: bool, keep_logits: bool, *options
+    ) -> tuple[torch.Tensor | None, torch.Tensor, list, Carry]:
         """Hook: the suffix on one chunk hidden (B, C, d_model) of every sequence, its RoPE tables cos, sin
         (C, head_dim), next tokens targets (B, T) (T = C, or C - 1 on the last chunk), the layers' caches;
-        last: it is the last chunk; options: those `read` passed to `_read`. Returns (logits (B, C, V),
-        per-token losses (B, T) (`_score`), caches for the next chunk, carry after the chunk)."""
+        last: it is the last chunk; keep_logits: return the logits; options: those `read` passed to
+        `_read`. Returns (logits (B, C, V) or None unless keep_logits, per-token losses (B, T)
+        (`_score`), caches for the next chunk, carry after the chunk)."""
         raise NotImplementedError
 
     def _detached(self, carry: Carry) -> Carry:
         """Hook: carry cut from the graph, its fast weights fresh leaves that require grad."""
         raise NotImplementedError
-
-    def _chunk(self, keep_logits: bool, *args) -> tuple[torch.Tensor | None, torch.Tensor, list, Carry]:
-        """`_read_chunk`(*args), its logits dropped unless keep_logits (inside a checkpoint: never stored)."""
-        logits, losses, caches, carry = self._read_chunk(*args)
-        return (logits if keep_logits else None), losses, caches, carry
 
     def _read(
         self,
@@ -110,24 +114,69 @@ class ChunkedReader(nn.Module):
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The chunked reading of tokens (B, N) (module docstring). Returns (logits (B, N, V) or None
         unless keep_logits, next-token losses (B, N - 1)). options go to every `_read_chunk`; lr_scale to
-        `_initial_state`; checkpoint: recompute each chunk in the outer backward (with outer_grad only);
-        outer_grad=False detaches every chunk (evaluation: memory stays flat)."""
+        `_initial_state`; checkpoint: recompute each chunk in the outer backward (with outer_grad only),
+        and with ttt.checkpoint_segment = k also each run of k chunks, so that only every k-th chunk's
+        carry stays saved outside the segment being recomputed; outer_grad=False detaches every chunk
+        (evaluation: memory stays flat). ttt.checkpoint_prefix recomputes each prefix block in the
+        outer backward (only its input is saved)."""
         batch, n = tokens.shape
         cos, sin = rope_cos_sin(
             n, self.cfg.head_dim, self.cfg.rope_theta, tokens.device, self.cfg.rope_scaling
         )
-        with torch.set_grad_enabled(outer_grad and torch.is_grad_enabled()):
+        grad = outer_grad and torch.is_grad_enabled()
+        with torch.set_grad_enabled(grad):
             hidden = self.embed(tokens)
             for block in self.layers[: self.first_suffix]:
-                hidden = block(hidden, cos, sin)
+                hidden = maybe_checkpoint(
+                    block, hidden, cos, sin, enabled=grad and self.ttt_cfg.checkpoint_prefix
+                )
         carry = self._initial_state(batch, lr_scale=lr_scale)
         if not outer_grad:
             carry = self._detached(carry)
-        caches, all_logits, all_losses = [block.initial_cache(n) for block in self.suffix], [], []
-        for start in range(0, n, self.ttt_cfg.chunk_len):
+        caches = [block.initial_cache(n) for block in self.suffix]
+        starts = range(0, n, self.ttt_cfg.chunk_len)
+        checkpoint = checkpoint and outer_grad
+        per_segment = self.ttt_cfg.checkpoint_segment if checkpoint else 0
+        if per_segment and any(cache is not None for cache in caches):
+            raise ValueError(
+                "ttt.checkpoint_segment needs key/value caches rebuilt chunk by chunk; this model's "
+                "blocks share one prefix buffer across the read (full causal attention): set it to 0"
+            )
+        all_logits, all_losses = [], []
+        for first in range(0, len(starts), per_segment or len(starts)):
+            segment = tuple(starts[first : first + per_segment] if per_segment else starts)
+            args = (
+                segment,
+                carry,
+                caches,
+                hidden,
+                tokens,
+                cos,
+                sin,
+                keep_logits,
+                checkpoint,
+                outer_grad,
+                options,
+            )
+            logits, losses, caches, carry = maybe_checkpoint(
+                self._read_segment, *args, enabled=bool(per_segment)
+            )
+            all_logits += logits
+            all_losses += losses
+        return (torch.cat(all_logits, dim=1) if keep_logits else None), torch.cat(all_losses, dim=1)
+
+    def _read_segment(
+        self, starts, carry, caches, hidden, tokens, cos, sin, keep_logits, checkpoint, outer_grad, options
+    ) -> tuple[list, list, list, Carry]:
+        """`_read_chunk` on the chunks that begin at `starts`, in order, each recomputed in the outer
+        backward when `checkpoint`; hidden (B, N, d_model), tokens (B, N) and cos, sin (N, head_dim) are
+        the whole read's. Returns (the chunks' logits or Nones, their losses, caches, carry after the
+        last one)."""
+        n = tokens.shape[1]
+        all_logits, all_losses = [], []
+        for start in starts:
             end = min(start + self.ttt_cfg.chunk_len, n)
             args = (
-                keep_logits,
                 carry,
                 hidden[:, start:end],
                 tokens[:, start + 1 : end + 1],
@@ -135,18 +184,17 @@ class ChunkedReader(nn.Module):
                 sin[start:end],
                 caches,
                 end == n,
+                keep_logits,
                 *options,
             )
-            logits, losses, caches, carry = maybe_checkpoint(
-                self._chunk, *args, enabled=checkpoint and outer_grad
-            )
+            logits, losses, caches, carry = maybe_checkpoint(self._read_chunk, *args, enabled=checkpoint)
             if not outer_grad:
                 logits, losses = (None if logits is None else logits.detach()), losses.detach()
                 caches = [detach_cache(cache) for cache in caches]
                 carry = self._detached(carry)
             all_logits.append(logits)
             all_losses.append(losses)
-        return (torch.cat(all_logits, dim=1) if keep_logits else None), torch.cat(all_losses, dim=1)
+        return all_logits, all_losses, caches, carry
 
     def token_losses(self, tokens: torch.Tensor, **options) -> torch.Tensor:
         """Next-token losses of every position, tokens (B, N) int64 -> (B, N - 1) float32; options as

@@ -1,0 +1,190 @@
+"""The memory options of a TTT read (fused head + loss, prefix recomputation, chunk and segment
+recomputation) leave losses and outer gradients unchanged, alone and combined, in float64, second
+and first order; `linear_cross_entropy` against F.cross_entropy through its second derivative."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ttt.inner import InnerLoopConfig
+from ttt.memory import MemoryConfig, NeuralMemoryTransformer
+from ttt.models import Transformer, TransformerConfig
+from ttt.models.linear_cross_entropy import linear_cross_entropy
+from ttt.ttt_layers import TTTConfig, TTTTransformer
+
+DOUBLE = torch.float64
+
+
+@pytest.mark.parametrize("rows, vocab, dim", [(37, 63, 48), (5, 80, 7)], ids=str)
+@pytest.mark.parametrize("block_rows", [3, 1000])
+def test_linear_cross_entropy_matches_cross_entropy_to_the_second_derivative(rows, vocab, dim, block_rows):
+    gen = torch.Generator().manual_seed(rows)
+    hidden = torch.randn(rows, dim, dtype=DOUBLE, generator=gen, requires_grad=True)
+    weight = torch.randn(vocab, dim, dtype=DOUBLE, generator=gen, requires_grad=True)
+    targets = torch.randint(0, vocab, (rows,), generator=gen)
+
+    def fused(h, w):
+        return linear_cross_entropy(h, w, targets, block_bytes=4 * vocab * block_rows)
+
+    def plain(h, w):
+        return F.cross_entropy(h @ w.t(), targets, reduction="none")
+
+    torch.testing.assert_close(fused(hidden, weight), plain(hidden, weight), rtol=1e-12, atol=1e-12)
+    # the inner-step pattern: a gradient in hidden alone (the head's weight gradient is skipped),
+    # differentiated again into both
+    row_weight = torch.rand(rows, dtype=DOUBLE, generator=gen)
+    results = []
+    for loss_fn in (fused, plain):
+        loss = (loss_fn(hidden, weight) * row_weight).sum()
+        (grad_hidden,) = torch.autograd.grad(loss, hidden, create_graph=True)
+        outer = (grad_hidden.sin() * hidden).sum() + loss
+        results.append(torch.autograd.grad(outer, (hidden, weight)))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_linear_cross_entropy_passes_gradcheck_and_gradgradcheck():
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(5, 4, dtype=DOUBLE, generator=gen, requires_grad=True)
+    weight = torch.randn(7, 4, dtype=DOUBLE, generator=gen, requires_grad=True)
+    targets = torch.randint(0, 7, (5,), generator=gen)
+
+    def fused(h, w):
+        return linear_cross_entropy(h, w, targets, block_bytes=4 * 7 * 2)  # blocks of 2 rows
+
+    assert torch.autograd.gradcheck(fused, (hidden, weight))
+    assert torch.autograd.gradgradcheck(fused, (hidden, weight))
+
+
+def test_linear_cross_entropy_refuses_mismatched_inputs():
+    hidden, weight = torch.randn(2, 3, 4), torch.randn(9, 4)
+    with pytest.raises(ValueError, match="targets must have the shape"):
+        linear_cross_entropy(hidden, weight, torch.zeros(2, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="weight must be"):
+        linear_cross_entropy(hidden, torch.randn(9, 5), torch.zeros(2, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="int64"):
+        linear_cross_entropy(hidden, weight, torch.zeros(2, 3, dtype=torch.int32))
+
+
+def make_ttt(*, fused_loss, checkpoint_prefix, checkpoint, checkpoint_segment, tie=False, first_order=False):
+    torch.manual_seed(0)
+    cfg = TransformerConfig(
+        vocab_size=37,
+        d_model=16,
+        n_layers=3,
+        n_heads=2,
+        n_kv_heads=1,
+        d_ff=24,
+        window=6,
+        attention="eager",
+        tie_embeddings=tie,
+    )
+    ttt = TTTConfig(
+        suffix_len=2,
+        chunk_len=4,
+        fused_loss=fused_loss,
+        checkpoint_prefix=checkpoint_prefix,
+        checkpoint_segment=checkpoint_segment,
+    )
+    inner = InnerLoopConfig(
+        params=["layers.*.ttt_mlp.*"],
+        lr=0.5,
+        grad_clip=1.0,
+        checkpoint=checkpoint,
+        first_order=first_order,
+        steps=2,
+    )
+    model = TTTTransformer(Transformer(cfg), ttt, inner)
+    with torch.no_grad():  # a non-zero extra MLP, as after meta-training
+        for block in model.suffix:
+            block.ttt_mlp.w_down.weight.normal_(std=0.3)
+    return model.to(DOUBLE)
+
+
+def losses_and_grads(model, tokens):
+    losses = model.token_losses(tokens)
+    grads = torch.autograd.grad(losses.mean(), list(model.parameters()))
+    return losses.detach(), grads
+
+
+OPTIONS = {  # each option alone, then all together (fused loss, prefix, (chunk checkpoint, segment), tied)
+    "fused_loss": (True, False, (False, 0), False),
+    "fused_loss_tied": (True, False, (False, 0), True),
+    "prefix": (False, True, (False, 0), False),
+    "chunks": (False, False, (True, 0), False),
+    "segments": (False, False, (True, 2), False),
+    "all": (True, True, (True, 2), False),
+    "all_tied": (True, True, (True, 3), True),
+}
+
+
+@pytest.mark.parametrize(
+    "fused_loss, checkpoint_prefix, chunk_checkpoint, tie", OPTIONS.values(), ids=OPTIONS.keys()
+)
+def test_memory_options_leave_losses_and_second_order_gradients_unchanged(
+    fused_loss, checkpoint_prefix, chunk_checkpoint, tie
+):
+    tokens = torch.randint(0, 37, (2, 23), generator=torch.Generator().manual_seed(3))
+    plain = make_ttt(
+        fused_loss=False, checkpoint_prefix=False, checkpoint=False, checkpoint_segment=0, tie=tie
+    )
+    checkpoint, segment = chunk_checkpoint
+    model = make_ttt(
+        fused_loss=fused_loss,
+        checkpoint_prefix=checkpoint_prefix,
+        checkpoint=checkpoint,
+        checkpoint_segment=segment,
+        tie=tie,
+    )
+    want_losses, want_grads = losses_and_grads(plain, tokens)
+    got_losses, got_grads = losses_and_grads(model, tokens)
+    torch.testing.assert_close(got_losses, want_losses, rtol=1e-12, atol=1e-12)
+    for got, want in zip(got_grads, want_grads):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    # the second-order term is in the comparison: first order gives other gradients
+    first = make_ttt(
+        fused_loss=fused_loss,
+        checkpoint_prefix=checkpoint_prefix,
+        checkpoint=checkpoint,
+        checkpoint_segment=segment,
+        tie=tie,
+        first_order=True,
+    )
+    assert any(not torch.allclose(g, w) for g, w in zip(losses_and_grads(first, tokens)[1], want_grads))
+
+
+def test_memory_options_keep_first_order_gradients():
+    tokens = torch.randint(0, 37, (2, 23), generator=torch.Generator().manual_seed(4))
+    plain = make_ttt(
+        fused_loss=False, checkpoint_prefix=False, checkpoint=False, checkpoint_segment=0, first_order=True
+    )
+    model = make_ttt(
+        fused_loss=True, checkpoint_prefix=True, checkpoint=True, checkpoint_segment=3, first_order=True
+    )
+    for got, want in zip(losses_and_grads(model, tokens)[1], losses_and_grads(plain, tokens)[1]):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_logits_are_kept_by_the_plain_head_when_asked_for():
+    tokens = torch.randint(0, 37, (2, 11), generator=torch.Generator().manual_seed(5))
+    model = make_ttt(fused_loss=True, checkpoint_prefix=False, checkpoint=False, checkpoint_segment=0)
+    logits, losses = model.read(tokens, keep_logits=True)
+    assert logits.shape == (2, 11, 37)
+    torch.testing.assert_close(losses, model.token_losses(tokens), rtol=1e-12, atol=1e-12)
+
+
+def test_segment_recomputation_is_refused_for_a_shared_prefix_buffer():
+    torch.manual_seed(0)
+    cfg = TransformerConfig(vocab_size=37, d_model=16, n_layers=2, n_heads=2, window=None, attention="eager")
+    model = NeuralMemoryTransformer(
+        Transformer(cfg),
+        TTTConfig(suffix_len=1, chunk_len=4, extra_mlp=False, checkpoint_segment=2),
+        MemoryConfig(checkpoint=True),
+    )
+    with pytest.raises(ValueError, match="ttt.checkpoint_segment"):
+        model.token_losses(torch.randint(0, 37, (1, 12)))
+
+
+def test_bad_checkpoint_segment_is_named():
+    with pytest.raises(ValueError, match="ttt.checkpoint_segment"):
+        TTTConfig(checkpoint_segment=-1)

@@ -1,0 +1,176 @@
+"""Time and memory of a text TTT recipe's outer step at its full size: the recipe's own learner and
+Lightning training step on random tokens (time and memory do not depend on the values), with and
+without the second-order term.
+
+    python -m ttt.experiments.scale recipe=ttt_e2e_125m [key=value ...] [--steps 3]
+        [--modes second,first,off] [--out results.jsonl]
+
+Modes: second (the recipe as configured: exact second order), first (inner.first_order=true), off
+(ttt.enabled=false: the same model without test-time training). Each mode builds the learner afresh,
+runs one warm-up outer step (compilation) and --steps timed ones. One JSON line per mode:
+    s_per_step        mean wall time of the timed outer steps (CUDA synchronised)
+    tokens_per_s      tokens of a batch (trainer.meta_batch_size x data.seq_len) / s_per_step
+    peak_gib          torch.cuda.max_memory_allocated over the run (warm-up included)
+    tokens_in_flight  sequences read side by side in one pass (ttt.sequences_per_pass) x data.seq_len
+    mib_per_token     peak_gib / tokens_in_flight, in MiB
+    model_tflop       model FLOPs of one outer step (`model_flops_per_sequence`), in TFLOP
+    mfu               model_tflop / s_per_step / the accelerator's dense bf16 peak (`PEAK_TFLOPS`)
+A mode that runs out of memory gives status "oom" and the next mode runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+from collections.abc import Iterator
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from ttt.config import load_config
+from ttt.models import TransformerConfig
+from ttt.tracking import OuterStepTimer
+
+from .meta_step_probe import is_out_of_memory
+
+MODES = {"second": [], "first": ["inner.first_order=true"], "off": ["ttt.enabled=false"]}
+"""Each mode's overrides on top of the command line's."""
+
+PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0}
+"""Dense bf16 matrix peak by accelerator name (vendor datasheets, SXM parts), for the MFU."""
+
+
+class RandomTokens(IterableDataset):
+    """Endless batches {"tokens": (rows, seq_len) int64} of uniform random ids below vocab."""
+
+    def __init__(self, vocab: int, rows: int, seq_len: int, seed: int = 0):
+        self.vocab, self.rows, self.seq_len, self.seed = vocab, rows, seq_len, seed
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        gen = torch.Generator().manual_seed(self.seed)
+        while True:
+            yield {"tokens": torch.randint(0, self.vocab, (self.rows, self.seq_len), generator=gen)}
+
+
+def keys_seen(seq_len: int, window: int | None) -> int:
+    """Sum over the positions of a causal (sliding-window) sequence of the keys each query sees."""
+    w = seq_len if window is None else min(window, seq_len)
+    return w * (w + 1) // 2 + (seq_len - w) * w
+
+
+def model_flops_per_sequence(model: TransformerConfig, seq_len: int, extra_params: int = 0) -> float:
+    """Training FLOPs of one sequence through the transformer without test-time training: 3 x (2 x the
+    matrix parameters, output head included, extra_params too (TTT's extra MLPs), per token, plus
+    4 x layers x heads x head_dim x the keys each query sees, for QK^T and PV). The inner steps and
+    the second-order term are not counted: this is the work of the plain model, so MFU is comparable
+    across modes and with other systems."""
+    cfg = model.resolved()
+    attn = cfg.d_model * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
+    matrix = cfg.n_layers * (attn + 3 * cfg.d_model * cfg.d_ff) + cfg.vocab_size * cfg.d_model + extra_params
+    attention = 4 * cfg.n_layers * cfg.n_heads * cfg.head_dim * keys_seen(seq_len, cfg.window)
+    return 3.0 * (2.0 * matrix * seq_len + attention)
+
+
+def peak_tflops() -> float | None:
+    """The dense bf16 peak of the current CUDA device by its name, or None (unknown or no CUDA)."""
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((peak for key, peak in PEAK_TFLOPS.items() if key in name), None)
+
+
+def measure(overrides: list[str], steps: int) -> dict:
+    """One mode: build the recipe's learner, train warm-up + `steps` outer steps on random tokens."""
+    from recipes import load_builder
+
+    cfg = load_config(overrides)
+    builder = load_builder(cfg.builder)
+    if not hasattr(builder, "build_module"):
+        raise SystemExit(f"error: recipe {cfg.recipe} (builder {cfg.builder}) is not a text TTT recipe")
+    pl.seed_everything(cfg.seed, verbose=False)
+    module = builder.build_module(cfg)
+    model_cfg = module.model.cfg
+    rows, seq_len = cfg.trainer.meta_batch_size, cfg.data.seq_len
+    per_pass = min(cfg.ttt.sequences_per_pass or rows, rows)
+    extra = sum(p.numel() for name, p in module.model.named_parameters() if ".ttt_mlp." in name)
+    row = {
+        "recipe": cfg.recipe,
+        "overrides": overrides[1:],
+        "sequences": rows,
+        "seq_len": seq_len,
+        "tokens_in_flight": per_pass * seq_len,
+        "params_m": sum(p.numel() for p in module.parameters()) / 1e6,
+        "model_tflop": rows * model_flops_per_sequence(model_cfg, seq_len, extra) / 1e12,
+    }
+    timer = OuterStepTimer(warmup=1)
+    trainer = pl.Trainer(
+        max_steps=1 + steps,
+        accelerator=cfg.trainer.accelerator,
+        devices=1,
+        precision=cfg.trainer.precision,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        inference_mode=False,
+        callbacks=[timer],
+    )
+    data = DataLoader(RandomTokens(model_cfg.vocab_size, rows, seq_len, cfg.seed), batch_size=None)
+    try:
+        trainer.fit(module, train_dataloaders=data)
+    except Exception as err:  # noqa: BLE001 - any failure is a row, so that the next mode runs
+        if not is_out_of_memory(err):
+            raise
+        peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+        return {**row, "status": "oom", "peak_gib": peak, "error": str(err).splitlines()[0]}
+    seconds = timer.time_per_outer_step()
+    peak, top = timer.peak_memory_gib, peak_tflops()
+    row.update(
+        status="ok",
+        s_per_step=seconds,
+        first_step_s=timer.first_outer_step(),
+        tokens_per_s=rows * seq_len / seconds,
+        peak_gib=peak,
+        mib_per_token=None if peak is None else peak * 1024 / row["tokens_in_flight"],
+        mfu=None if top is None else row["model_tflop"] / seconds / top,
+    )
+    return row
+
+
+def release() -> None:
+    """Free what a mode left behind before the next one is measured."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("overrides", nargs="+", help="recipe=NAME and key=value overrides")
+    parser.add_argument("--steps", type=int, default=3, help="timed outer steps after one warm-up step")
+    parser.add_argument("--modes", default="second,first,off", help=f"comma-separated, of {list(MODES)}")
+    parser.add_argument("--out", help="append one JSON line per mode to this file")
+    args = parser.parse_intermixed_args(argv)
+    modes = args.modes.split(",")
+    unknown = [mode for mode in modes if mode not in MODES]
+    if unknown or args.steps < 1:
+        parser.error(f"--modes must be of {list(MODES)} (got {unknown}), --steps >= 1 (got {args.steps})")
+    for mode in modes:
+        row = {"mode": mode, **measure(args.overrides + MODES[mode], args.steps)}
+        line = json.dumps(row)
+        print(line, flush=True)
+        if args.out:
+            with open(args.out, "a") as file:
+                file.write(line + "\n")
+        release()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
