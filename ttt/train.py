@@ -45,6 +45,7 @@ from ttt.tracking import (
     format_summary_table,
     load_checkpoint,
     new_run_dir,
+    out_of_memory_advice,
     resolve_resume,
     trained_minutes,
     write_run_report,
@@ -304,6 +305,8 @@ def run(
 
 
 DIVERGED = 3
+OUT_OF_MEMORY = 4
+"""Exit status of a run that ran out of accelerator memory (the message names the keys that lower it)."""
 """Exit status of a run stopped by a non-finite loss (2: bad command line or config)."""
 
 
@@ -338,6 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     except DivergenceError as err:
         print(f"error: {err}", file=sys.stderr)
         return DIVERGED
+    except torch.OutOfMemoryError as err:
+        print(f"error: {out_of_memory_advice(cfg, err)}", file=sys.stderr)
+        return OUT_OF_MEMORY
     except RuntimeError as err:
         if UNUSED_PARAMETERS_ERROR not in str(err):
             raise

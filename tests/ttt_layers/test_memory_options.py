@@ -188,3 +188,36 @@ def test_segment_recomputation_is_refused_for_a_shared_prefix_buffer():
 def test_bad_checkpoint_segment_is_named():
     with pytest.raises(ValueError, match="ttt.checkpoint_segment"):
         TTTConfig(checkpoint_segment=-1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rows, vocab, dim", [(4099, 128256, 768), (37, 1000, 48)], ids=str)
+def test_linear_cross_entropy_under_bf16_autocast_is_as_close_as_plain_pytorch(rows, vocab, dim):
+    """Compiled on CUDA, bf16 products: losses, the inner gradient and the outer (second-order)
+    gradients within twice plain PyTorch's bf16 error, both against float64; outputs written (no NaN)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(rows, dim, device="cuda", generator=gen)
+    weight = torch.randn(vocab, dim, device="cuda", generator=gen) / dim**0.5
+    targets = torch.randint(0, vocab, (rows,), device="cuda", generator=gen)
+    cot = torch.randn(rows, dim, device="cuda", generator=gen)
+
+    def run(loss_fn, h, w, autocast):
+        h, w = h.clone().requires_grad_(), w.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            losses = loss_fn(h, w)
+            (grad_h,) = torch.autograd.grad(losses.sum(), h, create_graph=True)
+            outer = torch.autograd.grad((grad_h * cot).sum() + losses.mean(), (h, w))
+        return [losses.double(), grad_h.double(), *(g.double() for g in outer)]
+
+    def plain(h, w):
+        return F.cross_entropy(h @ w.t(), targets, reduction="none")
+
+    def fused(h, w):
+        return linear_cross_entropy(h, w, targets, block_bytes=2**26)  # several blocks
+
+    want = run(plain, hidden.double(), weight.double(), autocast=False)
+    for got, base, ref in zip(run(fused, hidden, weight, True), run(plain, hidden, weight, True), want):
+        assert torch.isfinite(got).all()
+        err, base_err = (got - ref).norm() / ref.norm(), (base - ref).norm() / ref.norm()
+        assert err <= 2 * base_err + 1e-6, (err.item(), base_err.item())

@@ -151,7 +151,9 @@ def release() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("overrides", nargs="+", help="recipe=NAME and key=value overrides")
     parser.add_argument("--steps", type=int, default=3, help="timed outer steps after one warm-up step")
     parser.add_argument("--modes", default="second,first,off", help=f"comma-separated, of {list(MODES)}")

@@ -24,15 +24,19 @@ h and W (lse, one float per row, is the only thing kept from the forward), so me
 block) instead of the O(rows * V) float32 logits, softmax and their gradients that autograd keeps
 for F.cross_entropy (twice over in a second-order graph). The matrix products run in the autocast
 dtype when autocast is on (as F.linear would), the softmax arithmetic in float32 (float64 for float64
-inputs). A third derivative is not provided (once_differentiable).
+inputs), and on CUDA the element-wise work of a block (softmax, its gradients) is one compiled
+kernel or two that read the block's logits once (`torch.compile`), not a chain of float32 passes.
+A third derivative is not provided (once_differentiable).
 """
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
-DEFAULT_BLOCK_BYTES = 256 * 2**20
-"""Float32 logits held at once by one block of rows (256 MiB: 512 rows of a 128K vocabulary)."""
+DEFAULT_BLOCK_BYTES = 2**30
+"""Float32-equivalent logits of one block of rows (1 GiB: 2,093 rows of a 128,256 vocabulary)."""
 
 
 def linear_cross_entropy(
@@ -80,25 +84,68 @@ class _Config:
     def __init__(self, compute_dtype: torch.dtype, loss_dtype: torch.dtype, block_rows: int):
         self.compute_dtype, self.loss_dtype, self.block_rows = compute_dtype, loss_dtype, block_rows
 
+    def cast(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
+        """tensor in the compute dtype (None stays None)."""
+        return None if tensor is None else tensor.to(self.compute_dtype)
 
-def _blocks(rows: int, config: _Config):
-    """Row slices of at most config.block_rows rows covering range(rows)."""
-    return (slice(start, min(start + config.block_rows, rows)) for start in range(0, rows, config.block_rows))
-
-
-def _mm(a: torch.Tensor, b: torch.Tensor, config: _Config) -> torch.Tensor:
-    """a @ b in the compute dtype, returned in the loss dtype."""
-    return (a.to(config.compute_dtype) @ b.to(config.compute_dtype)).to(config.loss_dtype)
+    def blocks(self, rows: int):
+        """Row slices of at most block_rows rows covering range(rows)."""
+        return (slice(start, min(start + self.block_rows, rows)) for start in range(0, rows, self.block_rows))
 
 
-def _softmax_block(hidden, weight, lse, rows, config):
-    """Softmax p (R, V) of the rows' logits, from lse (R,) kept by the forward."""
-    return torch.exp(_mm(hidden[rows], weight.t(), config) - lse[rows, None])
+def _row_stats(logits: torch.Tensor, targets: torch.Tensor, loss_dtype: torch.dtype):
+    """logits (R, V) -> (lse (R,), losses (R,)) in loss_dtype."""
+    z = logits.to(loss_dtype)
+    lse = torch.logsumexp(z, dim=1)
+    return lse, lse - z.gather(1, targets[:, None])[:, 0]
 
 
-def _minus_target(p: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """p - onehot(targets), in place on p (R, V)."""
-    return p.scatter_add_(1, targets[:, None], torch.full_like(p[:, :1], -1.0))
+def _softmax_minus_target(logits, lse, targets):
+    """(p - onehot(targets)) (R, V) in lse's dtype, p the softmax of logits (R, V) given lse (R,)."""
+    p = torch.exp(logits.to(lse.dtype) - lse[:, None])
+    hit = torch.arange(logits.shape[1], device=logits.device) == targets[:, None]
+    return p, p - hit.to(p.dtype)
+
+
+def _logit_grad(logits, lse, targets, grad):
+    """dz = grad (p - onehot(targets)) (R, V), in logits' dtype (the backward's product operand)."""
+    return (_softmax_minus_target(logits, lse, targets)[1] * grad[:, None].to(lse.dtype)).to(logits.dtype)
+
+
+def _logit_second(logits, u, u_more, lse, targets, grad):
+    """The double backward's per-block terms from logits z (R, V), u = W a_t (+ u_more = B h_t) (R, V):
+    (r = g p (u - p.u), dz = g (p - onehot), both in logits' dtype, d/dg = p.u - u[y] (R,))."""
+    p, p_minus = _softmax_minus_target(logits, lse, targets)
+    u = u.to(lse.dtype) if u_more is None else u.to(lse.dtype) + u_more.to(lse.dtype)
+    g = grad[:, None].to(lse.dtype)
+    s = (p * u).sum(1, keepdim=True)
+    d_grad = s[:, 0] - u.gather(1, targets[:, None])[:, 0]
+    return (p * (u - s) * g).to(logits.dtype), (p_minus * g).to(logits.dtype), d_grad
+
+
+class _CompiledOnCuda:
+    """fn on CPU tensors; on CUDA tensors fn compiled by torch.compile (its element-wise chain fused),
+    falling back to fn with a warning if compilation fails."""
+
+    def __init__(self, fn):
+        self.fn, self.compiled = fn, None
+
+    def __call__(self, *args):
+        if not args[0].is_cuda or self.compiled is False:
+            return self.fn(*args)
+        if self.compiled is None:
+            self.compiled = torch.compile(self.fn, dynamic=None)
+        try:
+            return self.compiled(*args)
+        except Exception as err:  # noqa: BLE001 - any compiler failure: the eager function is exact too
+            warnings.warn(f"linear_cross_entropy runs uncompiled ({type(err).__name__}: {err})", stacklevel=2)
+            self.compiled = False
+            return self.fn(*args)
+
+
+row_stats = _CompiledOnCuda(_row_stats)
+logit_grad = _CompiledOnCuda(_logit_grad)
+logit_second = _CompiledOnCuda(_logit_second)
 
 
 def _will_run(node) -> bool:
@@ -130,10 +177,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         losses = hidden.new_empty(hidden.shape[0], dtype=config.loss_dtype)
         lse = torch.empty_like(losses)
         with torch.autocast(hidden.device.type, enabled=False):
-            for rows in _blocks(hidden.shape[0], config):
-                logits = _mm(hidden[rows], weight.t(), config)
-                lse[rows] = torch.logsumexp(logits, dim=1)
-                losses[rows] = lse[rows] - logits.gather(1, targets[rows, None])[:, 0]
+            h, w_t = config.cast(hidden), config.cast(weight).t()
+            for rows in config.blocks(hidden.shape[0]):
+                lse[rows], losses[rows] = row_stats(h[rows] @ w_t, targets[rows], config.loss_dtype)
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.config, ctx.weight_node = config, _gradient_node(weight)
         return losses
@@ -158,13 +204,13 @@ class _LinearCrossEntropyBackward(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if want_hidden else None
         grad_weight = torch.zeros_like(weight, dtype=config.loss_dtype) if want_weight else None
         with torch.autocast(hidden.device.type, enabled=False):
-            for rows in _blocks(hidden.shape[0], config):
-                dz = _minus_target(_softmax_block(hidden, weight, lse, rows, config), targets[rows])
-                dz.mul_(grad_losses[rows, None].to(config.loss_dtype))
+            h, w = config.cast(hidden), config.cast(weight)
+            for rows in config.blocks(hidden.shape[0]):
+                dz = logit_grad(h[rows] @ w.t(), lse[rows], targets[rows], grad_losses[rows])
                 if want_hidden:
-                    grad_hidden[rows] = _mm(dz, weight, config)
+                    grad_hidden[rows] = dz @ w
                 if want_weight:
-                    grad_weight += _mm(dz.t(), hidden[rows], config)
+                    grad_weight += dz.t() @ h[rows]
         ctx.save_for_backward(hidden, weight, targets, lse, grad_losses)
         ctx.config = config
         return grad_hidden, (None if grad_weight is None else grad_weight.to(weight.dtype))
@@ -175,40 +221,38 @@ class _LinearCrossEntropyBackward(torch.autograd.Function):
         hidden, weight, targets, lse, grad_losses = ctx.saved_tensors
         config = ctx.config
         need_hidden, need_weight, _, _, need_grad = ctx.needs_input_grad[:5]
-        d_hidden = torch.empty_like(hidden) if need_hidden else None
+        d_hidden = torch.zeros_like(hidden) if need_hidden else None
         d_weight = torch.zeros_like(weight, dtype=config.loss_dtype) if need_weight else None
-        d_grad = torch.empty_like(grad_losses) if need_grad else None
+        d_grad = torch.zeros_like(grad_losses) if need_grad else None
         if cot_hidden is None and cot_weight is None:
-            return _zeros_or_none(d_hidden, d_weight, d_grad, weight.dtype)
+            return _gradients(d_hidden, d_weight, d_grad, weight.dtype)
         with torch.autocast(hidden.device.type, enabled=False):
-            for rows in _blocks(hidden.shape[0], config):
-                p = _softmax_block(hidden, weight, lse, rows, config)
-                g = grad_losses[rows, None].to(config.loss_dtype)
-                u = 0
-                if cot_hidden is not None:
-                    u = _mm(cot_hidden[rows], weight.t(), config)
-                if cot_weight is not None:
-                    u = u + _mm(hidden[rows], cot_weight.t(), config)
-                s = (p * u).sum(1, keepdim=True)
+            h, w, a, b = (
+                config.cast(hidden),
+                config.cast(weight),
+                config.cast(cot_hidden),
+                config.cast(cot_weight),
+            )
+            for rows in config.blocks(hidden.shape[0]):
+                terms = [a[rows] @ w.t()] if a is not None else []
+                if b is not None:
+                    terms.append(h[rows] @ b.t())
+                r, dz, dg = logit_second(
+                    h[rows] @ w.t(), terms[0], terms[1] if len(terms) > 1 else None,
+                    lse[rows], targets[rows], grad_losses[rows],
+                )  # fmt: skip
                 if need_grad:
-                    d_grad[rows] = (s - u.gather(1, targets[rows, None]))[:, 0].to(d_grad.dtype)
-                r = p * (u - s) * g
-                dz = _minus_target(p, targets[rows]).mul_(g)  # p is spent: dz = g (p - e_y) in its place
+                    d_grad[rows] = dg
                 if need_hidden:
-                    d_hidden[rows] = _mm(r, weight, config)
-                    if cot_weight is not None:
-                        d_hidden[rows] += _mm(dz, cot_weight, config).to(d_hidden.dtype)
+                    d_hidden[rows] = r @ w if b is None else (r @ w).to(d_hidden.dtype) + dz @ b
                 if need_weight:
-                    d_weight += _mm(r.t(), hidden[rows], config)
-                    if cot_hidden is not None:
-                        d_weight += _mm(dz.t(), cot_hidden[rows], config)
-        d_weight = None if d_weight is None else d_weight.to(weight.dtype)
-        return d_hidden, d_weight, None, None, d_grad, None, None
+                    d_weight += r.t() @ h[rows]
+                    if a is not None:
+                        d_weight += dz.t() @ a[rows]
+        return _gradients(d_hidden, d_weight, d_grad, weight.dtype)
 
 
-def _zeros_or_none(d_hidden, d_weight, d_grad, weight_dtype):
-    """Zero gradients for the inputs that need one (no cotangent reached the backward's outputs)."""
-    zero = [None if t is None else t.zero_() for t in (d_hidden, d_weight, d_grad)]
-    if zero[1] is not None:
-        zero[1] = zero[1].to(weight_dtype)
-    return zero[0], zero[1], None, None, zero[2], None, None
+def _gradients(d_hidden, d_weight, d_grad, weight_dtype):
+    """The double backward's return tuple, d_weight in weight_dtype."""
+    d_weight = None if d_weight is None else d_weight.to(weight_dtype)
+    return d_hidden, d_weight, None, None, d_grad, None, None

@@ -1,5 +1,5 @@
 """Run directories, atomic files, checkpoints and their loader, outer-step timing, the divergence guard
-and the loss-spike watch, and the end-of-run summary and figures."""
+the loss-spike watch, the out-of-memory advice, and the end-of-run summary and figures."""
 
 from .atomic import AtomicCheckpointIO, atomic_write_text
 from .checkpoint_file import CheckpointError, check_resumable, load_checkpoint, trained_minutes
@@ -7,6 +7,7 @@ from .checkpointing import EpochEndCheckpoint, LogStepAlignment
 from .directory import RunPaths, new_run_dir, resolve_resume
 from .divergence import DivergenceError, DivergenceGuard
 from .loss_spikes import LossSpikeWatch
+from .out_of_memory import out_of_memory_advice
 from .report import write_run_report
 from .summary import format_summary_table, write_summary
 from .timing import OuterStepTimer
@@ -26,6 +27,7 @@ __all__ = [
     "format_summary_table",
     "load_checkpoint",
     "new_run_dir",
+    "out_of_memory_advice",
     "resolve_resume",
     "trained_minutes",
     "write_run_report",
