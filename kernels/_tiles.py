@@ -34,39 +34,6 @@ def load_tile(base, offs_rows, offs_d, stride_row, n_rows, HEAD_DIM: tl.constexp
 
 
 @triton.jit
-def tile_source(base, stride_row, n_rows, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                BLOCK_D: tl.constexpr, TMA: tl.constexpr):
-    """What `load_rows` reads (BLOCK_ROWS, BLOCK_D) tiles of a row-major (n_rows, HEAD_DIM) slice at
-    base from: with TMA a tensor descriptor (Hopper's tensor memory accelerator copies the tile; its
-    bounds zero-fill rows past n_rows and columns past HEAD_DIM; base and stride_row must be 16-byte
-    aligned, which the launcher checks), else base itself (pointer loads)."""
-    if TMA:
-        return tl.make_tensor_descriptor(base, [n_rows, HEAD_DIM], [stride_row, 1], [BLOCK_ROWS, BLOCK_D])
-    else:
-        return base
-
-
-@triton.jit
-def load_rows(source, start, offs_rows, offs_d, stride_row, n_rows, HEAD_DIM: tl.constexpr,
-              TMA: tl.constexpr):
-    """The (rows, BLOCK_D) tile of rows offs_rows = start + arange(rows) from a `tile_source`, zero past
-    n_rows and HEAD_DIM: a descriptor load with TMA, else `load_tile`."""
-    if TMA:
-        return source.load([start, 0])
-    else:
-        return load_tile(source, offs_rows, offs_d, stride_row, n_rows, HEAD_DIM)
-
-
-@triton.jit
-def in_registers(tile, offs_rows, n_rows):
-    """tile (rows, BLOCK_D), loaded by `load_tile` with the same rows, unchanged: its rows past n_rows
-    are zero already. The select keeps Triton from staging it in shared memory, so a product that
-    takes it as left operand reads it from registers (Hopper wgmma with A in registers: only the
-    right operand is read from shared memory), at the cost of the registers that hold it."""
-    return tl.where(offs_rows[:, None] < n_rows, tile, 0.0)
-
-
-@triton.jit
 def store_tile(base, value, offs_rows, offs_d, stride_row, n_rows, HEAD_DIM: tl.constexpr):
     """Store a (rows, BLOCK_D) tile, skipping rows past n_rows and columns past HEAD_DIM."""
     if offs_d.shape[0] == HEAD_DIM:

@@ -41,10 +41,6 @@ _overrides: dict[str, dict] = {}
 _imposed: list[DeviceLimits] = []
 _working: dict[tuple, dict] = {}
 _device_cache: dict[int, DeviceLimits] = {}
-launch_listener: Callable[..., None] | None = None
-"""If set, called after every successful launch as listener(kernel, cfg, estimate, compiled,
-itemsize, precision): the settings, their shared-memory estimate and what the launch returned (the
-compiled kernel on CUDA); benchmarks/portable.py records the estimate against the real need."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,18 +167,9 @@ def split_bob_rows(head_dim: int) -> bool:
     return block_d(head_dim) > 64
 
 
-BOB_KERNELS = ("bob_rows", "bob_cols")
-BOB_ROWS_VARIANTS = ("PK_LATE", "DO_IN_REGS", "Q_IN_REGS", "Q_IN_REGS_GQ")
-"""Settings of the BoB rows kernel, off unless overridden (benchmarks/portable.py measures them):
-PK_LATE, with SPLIT, moves the sum P K from the Q̄ launch to the dŌ launch (two accumulators
-each, not three and one; Q̄'s partial sums pass through a float32 buffer); DO_IN_REGS keeps dO in
-registers in the launch that computes Q̄, Q_IN_REGS keeps q and u_q in registers in the launch
-that computes dŌ, Q_IN_REGS_GQ in the one that computes Q̄ (one launch: in it, if either is set).
-Their products (W, dP; S, G) then read one operand from shared memory, not two. bob_cols has
-KEYS_IN_REGS, for k, v, u_k and u_v (S, G, dP, W)."""
 COLUMN_KERNELS = ("backward_kv", "bob_cols")
 """Kernels whose programs own BLOCK_N keys and loop over query tiles (the others own BLOCK_M rows)."""
-LAUNCH_ONLY = ("SPLIT", "TMA_LOADS", "KEYS_IN_REGS", *BOB_ROWS_VARIANTS)
+LAUNCH_ONLY = ("SPLIT",)
 """Settings that are not tiles: `launch` remembers a fallback's tiles without them."""
 
 
@@ -315,8 +302,7 @@ def _memory_key(kernel: str, q: torch.Tensor, precision: str) -> tuple:
 
 def choose(kernel: str, q: torch.Tensor, **flags) -> dict:
     """Launch settings for `kernel` with inputs like q (B, H, N, D): BLOCK_M, BLOCK_N, BLOCK_D,
-    num_warps, num_stages, for bob_rows SPLIT (two launches or one) and the `BOB_ROWS_VARIANTS`,
-    for both BoB kernels TMA_LOADS (all off unless overridden). flags: the kernel's
+    num_warps, num_stages, and for bob_rows SPLIT (two launches or one). flags: the kernel's
     compile-time flags (HAS_UQ, ..., PRECISION), which the shared-memory estimate reads."""
     precision = flags.get("PRECISION", "ieee")
     remembered = _working.get(_memory_key(kernel, q, precision))
@@ -331,11 +317,6 @@ def choose(kernel: str, q: torch.Tensor, **flags) -> dict:
                "num_stages": stages}
     if kernel == "bob_rows":
         cfg.setdefault("SPLIT", split_bob_rows(q.shape[-1]))
-        cfg.update({name: False for name in BOB_ROWS_VARIANTS})
-    if kernel == "bob_cols":
-        cfg["KEYS_IN_REGS"] = False
-    if kernel in BOB_KERNELS:
-        cfg.setdefault("TMA_LOADS", False)
     cfg.update(_overrides.get(kernel, {}))
     return cfg
 
@@ -370,9 +351,6 @@ def launch(kernel: str, q: torch.Tensor, run: Callable[[dict], object], **flags)
         if kernel not in _overrides:
             _working[_memory_key(kernel, q, precision)] = {
                 k: v for k, v in cfg.items() if k not in LAUNCH_ONLY}
-        if launch_listener is not None:
-            estimate = shared_mem_estimate(kernel, cfg, itemsize, precision, **flags)
-            launch_listener(kernel, cfg, estimate, compiled, itemsize, precision)
         return cfg
 
 
@@ -396,15 +374,11 @@ def _fallback(kernel, cfg, err, itemsize, limit, precision, flags) -> dict:
 @contextlib.contextmanager
 def override(kernel: str, **settings):
     """Within the block, launch `kernel` with `settings` (e.g. BLOCK_M=128, num_warps=8, maxnreg=255
-    (None: ptxas's own choice); for bob_rows
-    also SPLIT=False, one launch, and the `BOB_ROWS_VARIANTS`; for bob_rows and bob_cols
-    TMA_LOADS=True, the operand tiles through tensor descriptors)."""
+    (None: ptxas's own choice); for bob_rows also SPLIT=False, one launch)."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     known = (("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "maxnreg")
-             + (("SPLIT", *BOB_ROWS_VARIANTS) if kernel == "bob_rows" else ())
-             + (("KEYS_IN_REGS",) if kernel == "bob_cols" else ())
-             + (("TMA_LOADS",) if kernel in BOB_KERNELS else ()))
+             + (("SPLIT",) if kernel == "bob_rows" else ()))
     unknown = sorted(set(settings) - set(known))
     if unknown:
         raise ValueError(f"override({kernel!r}) takes settings {known}, got {unknown}")
