@@ -17,6 +17,9 @@ in the transposed (key, query) orientation so that every tile is already the lef
     K̄ = s*sum[G_S^T Q + dS^T U_Q],   V̄ = sum[G_dP^T dO],
     G_S = P*(W + G*(dP - delta) - c*dP - e),   G_dP = P*(G - c).
 Absent cotangents are compile-time flags (HAS_G = HAS_UQ or HAS_UK): their products are never issued.
+The float32 row vectors Lse, Delta, C, E hold one value per (batch, head, query), (batch, head) rows
+svec apart; rows N to svec hold values that add nothing (lse +inf, the others 0), and the rows
+kernel writes C and E there too.
 """
 
 import triton

@@ -14,7 +14,10 @@ NO_SPECIALIZE = ["N", "M", "HEADS_Q", "HEADS_KV", "OFFSET", "WINDOW"]
 again whenever one of them changes its divisibility by 16 or becomes 1 (a new sequence length, a
 different head count). GROUP keeps only its "is 1" specialization (MHA against GQA); the strides
 keep theirs, as they are multiples of 16 whenever the head dim is, whatever the lengths, and
-aligned rows let the loads vectorize. Names a kernel does not take are ignored."""
+aligned rows let the loads vectorize. So does `svec`, the row stride of the float32 row vectors (lse,
+delta, c, e: `triton_ops.row_stride`, a multiple of 16): the kernels address and mask those through
+it, never through N, so their loads vectorize too (through N, every one was a scalar load). Names a
+kernel does not take are ignored."""
 
 
 @triton.jit

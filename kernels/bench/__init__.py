@@ -119,6 +119,22 @@ def call_ms(fn) -> float:
     return start.elapsed_time(end)
 
 
+def block_ms(fn, iters: int) -> float:
+    """Mean milliseconds per call of `iters` calls of fn run back to back: CUDA events around the
+    block, so the host's launch work overlaps the GPU's as in a training loop (the host clock off
+    CUDA)."""
+    if not torch.cuda.is_available():
+        return 1e3 * sync_time(lambda: [fn() for _ in range(iters)]) / iters
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    sync()
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
+
+
 def median_ms(fn, rep_ms: int) -> float:
     """Median ms of fn: triton.testing.do_bench on CUDA (rep_ms of timed calls), one timed call elsewhere."""
     if not torch.cuda.is_available():

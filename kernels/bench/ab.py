@@ -1,7 +1,7 @@
 """Same-run A/B: this tree's kernels against another commit's (or several sides), on one GPU.
 
-    python -m kernels.bench ab --base 8b7bcb2                   # this tree (B) against commit 8b7bcb2 (A)
-    python -m kernels.bench ab --base main_copy/ --side fix=. --side old=81205a1 --d 64 --mask causal
+    python -m kernels.bench ab --base main                      # this tree (B) against commit main (A)
+    python -m kernels.bench ab --base main_copy/ --side fix=. --side old=HEAD~5 --d 64 --mask causal
 
 Sides. --base is side A; each --side NAME=WHERE adds one (without any, the one other side is this
 tree, "this"). WHERE is a directory holding kernels/ (a checkout, a `git worktree`, or a copy made
@@ -21,8 +21,9 @@ Timing. A warm-up first compiles every side's kernels: --warm-jobs processes sid
 running one (side, case) at a short length, fill Triton's on-disk cache, which the timing process
 then reads (a kernel compiles the same for any length divisible by 16); then each timed function is
 called once. Then, per (case, mode), --rounds rounds: in each, every side and the yardstick run
---iters calls timed by CUDA events, whose median is the round's time, in an order that rotates from
-round to round (A B Y, B Y A, Y A B, ...). A side's ratio to A is taken round by round; the table
+--iters calls back to back between two CUDA events (the host's launch work overlaps the GPU's, as in
+a training loop), whose mean per call is the round's time, in an order that rotates from round to
+round (A B Y, B Y A, Y A B, ...). A side's ratio to A is taken round by round; the table
 gives its median and [min, max] over the rounds (the spread: a ratio whose interval holds 1.00 is
 no difference), the median time (with --kernel-split also the rows and columns kernels' GPU ms from
 the profiler), the ratio to the yardstick's median, and "diff", the largest
@@ -51,7 +52,7 @@ import torch
 from kernels.bench import (
     DTYPES,
     Results,
-    call_ms,
+    block_ms,
     device,
     fwd_bwd_call,
     int_list,
@@ -221,11 +222,12 @@ def rotate(items: list, r: int) -> list:
 
 
 def time_rounds(fns: dict, rounds: int, iters: int) -> dict[str, list[float]]:
-    """{name: the round medians of ms} with the order of fns rotating from round to round."""
+    """{name: per round, the mean ms of its iters calls} with the order of fns rotating from round
+    to round."""
     times = {name: [] for name in fns}
     for r in range(rounds):
         for name in rotate(list(fns), r):
-            times[name].append(statistics.median(call_ms(fns[name]) for _ in range(iters)))
+            times[name].append(block_ms(fns[name], iters))
     return times
 
 

@@ -81,8 +81,7 @@ def check(device, dtype=torch.bfloat16, b=3, h=2, n=300, d=64) -> dict:
 
 def warm_time_ms(fn, budget: float) -> float:
     """time_ms after one untimed call: time_ms sizes its repetitions by its own first call, which
-    would otherwise include the compilation (one timed call, not a median; the 1.19x of the d128
-    forward at 8e27c64 compared two such single calls)."""
+    would otherwise include the compilation (and leave one timed call, not a median)."""
     fn()
     return time_ms(fn, budget)
 

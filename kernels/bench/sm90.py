@@ -4,7 +4,7 @@ launch of one stage, with the launch settings kernels/tiling.py picks on that GP
 
     python -m kernels.bench sm90 --stage bob --d 128
     python -m kernels.bench sm90 --stage bob --d 128 --settings '{"bob_cols": {"num_warps": 4}}'
-    python -m kernels.bench sm90 --stage bob --d 64 --tree 81205a1
+    python -m kernels.bench sm90 --stage bob --d 64 --tree HEAD~1
     python -m kernels.bench sm90 --stage forward --d 128 --key-range
     python -m kernels.bench sm90 --stage bob --d 128 --dtype fp32 --fp32-precision tf32x3
 

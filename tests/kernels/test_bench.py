@@ -64,7 +64,7 @@ def test_ab_rounds_rotate_the_order():
 def test_ab_times_two_sides_and_the_yardstick(tmp_path, monkeypatch):
     """This tree as side A and again as side B (imported twice under their own names): every
     (case, mode, side) has a row, the ratios come from the per-round times, the outputs agree."""
-    monkeypatch.setattr(ab, "call_ms", lambda fn: fn() and 1.0 or 1.0)
+    monkeypatch.setattr(ab, "block_ms", lambda fn, iters: 1.0)
     rows = ab.main(["--base", str(ROOT), "--side", f"again={ROOT}", "--n", "20", "--d", "16", "--mask",
                     "causal,window8", "--dtype", LOW, "--heads", "2", "--rounds", "2", "--iters", "1",
                     "--warm-jobs", "0", "--out", str(tmp_path)])
