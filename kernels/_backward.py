@@ -21,7 +21,7 @@ from ._tiles import (
 
 @triton.jit(do_not_specialize=["N", "HEADS"])
 def row_dot_kernel(
-    A, Bt, Out, sab, sah, san, sbb, sbh, sbn, N, HEADS,
+    A, Bt, Out, sab, sah, san, sbb, sbh, sbn, svec, N, HEADS,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Out[b, h, i] = sum_d A[b, h, i, d] * Bt[b, h, i, d] in float32. Grid (cdiv(N, BLOCK_M), B * H)."""
@@ -33,13 +33,13 @@ def row_dot_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     a = load_tile(A + b * sab + h * sah, offs_m, offs_d, san, N, HEAD_DIM).to(tl.float32)
     bt = load_tile(Bt + b * sbb + h * sbh, offs_m, offs_d, sbn, N, HEAD_DIM).to(tl.float32)
-    tl.store(Out + pid_bh.to(tl.int64) * N + offs_m, tl.sum(a * bt, 1), mask=offs_m < N)
+    tl.store(Out + pid_bh.to(tl.int64) * svec + offs_m, tl.sum(a * bt, 1), mask=offs_m < svec)
 
 
 @triton.jit(do_not_specialize=NO_SPECIALIZE, do_not_specialize_on_alignment=["GROUP"])
 def attention_backward_dkdv_kernel(
     Q, K, V, DO, Lse, Delta, DK, DV,
-    sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdon, sdkb, sdkh, sdkn,
+    sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdon, sdkb, sdkh, sdkn, svec,
     N, M, HEADS_Q, HEADS_KV, GROUP, OFFSET, WINDOW, qk_scale_log2, scale, KeyRange,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_RANGE: tl.constexpr, HEAD_DIM: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -63,15 +63,15 @@ def attention_backward_dkdv_kernel(
     lo, hi = query_range(start_n, N, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW, HAS_RANGE, BLOCK_M, BLOCK_N)
     for g in range(0, GROUP):
         h = hk * GROUP + g
-        row = (b * HEADS_Q + h) * N
+        row = (b * HEADS_Q + h) * svec
         q_base = Q + b * sqb + h * sqh
         do_base = DO + b * sdob + h * sdoh
         for start_m in range(lo, hi, BLOCK_M):
             offs_m = start_m + offs_m0
             q = load_tile(q_base, offs_m, offs_d, sqn, N, HEAD_DIM)
             do = load_tile(do_base, offs_m, offs_d, sdon, N, HEAD_DIM)
-            lse2 = lse_log2(Lse + row, offs_m, N)
-            delta = tl.load(Delta + row + offs_m, mask=offs_m < N, other=0.0)
+            lse2 = lse_log2(Lse + row, offs_m, svec)
+            delta = tl.load(Delta + row + offs_m, mask=offs_m < svec, other=0.0)
             # Transposed (key, query) tiles: P^T and dS^T are the left operands of dV and dK.
             pt = tl.exp2(tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale_log2 - lse2[None, :])
             if col_tile_needs_mask(start_m, start_n, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW, HAS_RANGE,
@@ -89,7 +89,7 @@ def attention_backward_dkdv_kernel(
 @triton.jit(do_not_specialize=NO_SPECIALIZE, do_not_specialize_on_alignment=["GROUP"])
 def attention_backward_dq_kernel(
     Q, K, V, DO, Lse, Delta, DQ,
-    sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdon, sdqb, sdqh, sdqn,
+    sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdon, sdqb, sdqh, sdqn, svec,
     N, M, HEADS_Q, GROUP, OFFSET, WINDOW, qk_scale_log2, scale, KeyRange,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_RANGE: tl.constexpr, HEAD_DIM: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -102,7 +102,7 @@ def attention_backward_dq_kernel(
     h = (pid_bh % HEADS_Q).to(tl.int64)
     hk = h // GROUP
     KS, KE = load_key_range(KeyRange, b, M, HAS_RANGE)
-    row = pid_bh.to(tl.int64) * N
+    row = pid_bh.to(tl.int64) * svec
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
@@ -111,8 +111,8 @@ def attention_backward_dq_kernel(
     v_base = V + b * svb + hk * svh
     q = load_tile(Q + b * sqb + h * sqh, offs_m, offs_d, sqn, N, HEAD_DIM)
     do = load_tile(DO + b * sdob + h * sdoh, offs_m, offs_d, sdon, N, HEAD_DIM)
-    lse2 = lse_log2(Lse + row, offs_m, N)
-    delta = tl.load(Delta + row + offs_m, mask=offs_m < N, other=0.0)
+    lse2 = lse_log2(Lse + row, offs_m, svec)
+    delta = tl.load(Delta + row + offs_m, mask=offs_m < svec, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     lo, hi = key_range(start_m, M, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW, HAS_RANGE, BLOCK_M, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):

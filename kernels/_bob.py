@@ -17,10 +17,9 @@ in the transposed (key, query) orientation so that every tile is already the lef
     K̄ = s*sum[G_S^T Q + dS^T U_Q],   V̄ = sum[G_dP^T dO],
     G_S = P*(W + G*(dP - delta) - c*dP - e),   G_dP = P*(G - c).
 Absent cotangents are compile-time flags (HAS_G = HAS_UQ or HAS_UK): their products are never issued.
-TMA_LOADS (off by default, a setting for benchmarks/portable.py to measure) reads every (rows,
-BLOCK_D) operand tile through a tensor descriptor (TMA on Hopper). Warp-specialised loops
-(`tl.range(warp_specialize=True)`) were measured wrong on an H200 with Triton 3.6 and are not offered
-(docs/kernel_notes.md, TMA).
+The float32 row vectors Lse, Delta, C, E hold one value per (batch, head, query), (batch, head) rows
+svec apart; rows N to svec hold values that add nothing (lse +inf, the others 0), and the rows
+kernel writes C and E there too.
 """
 
 import triton
@@ -29,16 +28,13 @@ import triton.language as tl
 from ._tiles import (
     NO_SPECIALIZE,
     col_tile_needs_mask,
-    in_registers,
     key_range,
     load_key_range,
-    load_rows,
     load_tile,
     lse_log2,
     query_range,
     row_tile_needs_mask,
     store_tile,
-    tile_source,
     visible,
     visible_t,
 )
@@ -46,58 +42,39 @@ from ._tiles import (
 
 @triton.jit(do_not_specialize=NO_SPECIALIZE, do_not_specialize_on_alignment=["GROUP"])
 def attention_bob_rows_kernel(
-    Q, K, V, O, DO, DQ, UQ, UK, UV, Lse, Delta, GQ, GDO, C, E, GQP, X,
+    Q, K, V, O, DO, DQ, UQ, UK, UV, Lse, Delta, GQ, GDO, C, E,
     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, sdob, sdoh, sdon,
-    sdqb, sdqh, sdqn, suqb, suqh, suqn, sukb, sukh, sukn, suvb, suvh, suvn, sgb, sgh, sgn,
+    sdqb, sdqh, sdqn, suqb, suqh, suqn, sukb, sukh, sukn, suvb, suvh, suvn, sgb, sgh, sgn, svec,
     N, M, HEADS_Q, GROUP, OFFSET, WINDOW, qk_scale_log2, scale, KeyRange,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_RANGE: tl.constexpr, HAS_UQ: tl.constexpr,
     HAS_UK: tl.constexpr, HAS_UV: tl.constexpr, HAS_G: tl.constexpr, WANT_GQ: tl.constexpr,
     WANT_GDO: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PK_LATE: tl.constexpr, DO_IN_REGS: tl.constexpr, Q_IN_REGS: tl.constexpr, TMA_LOADS: tl.constexpr,
 ):
     """One program: BLOCK_M query rows of one (batch, query head); writes Q̄, c, e (WANT_GQ) and
-    dŌ (WANT_GDO). Grid (cdiv(N, BLOCK_M), B * Hq). GQ, GDO and GQP share strides (fresh buffers).
-
-    PK_LATE (two launches only): the Q̄ launch leaves sum[P K] to the dŌ launch, so that each holds
-    at most two (BLOCK_M, D) accumulators; it writes s*sum[X K + dS U_K] - c*dQ to GQP (float32
-    scratch) and x to X, which the dŌ launch completes to Q̄. DO_IN_REGS and Q_IN_REGS keep dO,
-    and q and u_q, the loop-invariant left operands of W, dP, S and G, in registers (`in_registers`).
-    TMA_LOADS reads q, dO, u_q and the loop's k, u_v, v, u_k through tensor descriptors (`tile_source`)."""
+    dŌ (WANT_GDO). Grid (cdiv(N, BLOCK_M), B * Hq). GQ and GDO share strides (fresh buffers)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // HEADS_Q).to(tl.int64)
     h = (pid_bh % HEADS_Q).to(tl.int64)
     hk = h // GROUP
     KS, KE = load_key_range(KeyRange, b, M, HAS_RANGE)
-    row = pid_bh.to(tl.int64) * N
+    row = pid_bh.to(tl.int64) * svec
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    k_src = tile_source(K + b * skb + hk * skh, skn, M, HEAD_DIM, BLOCK_N, BLOCK_D, TMA_LOADS)
-    if HAS_G:
-        v_src = tile_source(V + b * svb + hk * svh, svn, M, HEAD_DIM, BLOCK_N, BLOCK_D, TMA_LOADS)
-    if HAS_UK:
-        uk_src = tile_source(UK + b * sukb + hk * sukh, sukn, M, HEAD_DIM, BLOCK_N, BLOCK_D, TMA_LOADS)
-    if HAS_UV:
-        uv_src = tile_source(UV + b * suvb + hk * suvh, suvn, M, HEAD_DIM, BLOCK_N, BLOCK_D, TMA_LOADS)
+    k_base = K + b * skb + hk * skh
+    v_base = V + b * svb + hk * svh
+    uk_base = UK + b * sukb + hk * sukh
+    uv_base = UV + b * suvb + hk * suvh
 
-    q_src = tile_source(Q + b * sqb + h * sqh, sqn, N, HEAD_DIM, BLOCK_M, BLOCK_D, TMA_LOADS)
-    q = load_rows(q_src, start_m, offs_m, offs_d, sqn, N, HEAD_DIM, TMA_LOADS)
-    do_src = tile_source(DO + b * sdob + h * sdoh, sdon, N, HEAD_DIM, BLOCK_M, BLOCK_D, TMA_LOADS)
-    do = load_rows(do_src, start_m, offs_m, offs_d, sdon, N, HEAD_DIM, TMA_LOADS)
+    q = load_tile(Q + b * sqb + h * sqh, offs_m, offs_d, sqn, N, HEAD_DIM)
+    do = load_tile(DO + b * sdob + h * sdoh, offs_m, offs_d, sdon, N, HEAD_DIM)
     if HAS_UQ:
-        uq_src = tile_source(UQ + b * suqb + h * suqh, suqn, N, HEAD_DIM, BLOCK_M, BLOCK_D, TMA_LOADS)
-        uq = load_rows(uq_src, start_m, offs_m, offs_d, suqn, N, HEAD_DIM, TMA_LOADS)
-    if DO_IN_REGS:
-        do = in_registers(do, offs_m, N)
-    if Q_IN_REGS:
-        q = in_registers(q, offs_m, N)
-        if HAS_UQ:
-            uq = in_registers(uq, offs_m, N)
-    lse2 = lse_log2(Lse + row, offs_m, N)
-    delta = tl.load(Delta + row + offs_m, mask=offs_m < N, other=0.0)
+        uq = load_tile(UQ + b * suqb + h * suqh, offs_m, offs_d, suqn, N, HEAD_DIM)
+    lse2 = lse_log2(Lse + row, offs_m, svec)
+    delta = tl.load(Delta + row + offs_m, mask=offs_m < svec, other=0.0)
 
     acc_q = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)    # sum X K + dS U_K
     acc_pk = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)   # sum P K
@@ -107,7 +84,7 @@ def attention_bob_rows_kernel(
     lo, hi = key_range(start_m, M, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW, HAS_RANGE, BLOCK_M, BLOCK_N)
     for start_n in tl.range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
-        k = load_rows(k_src, start_n, offs_n, offs_d, skn, M, HEAD_DIM, TMA_LOADS)
+        k = load_tile(k_base, offs_n, offs_d, skn, M, HEAD_DIM)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         p = tl.exp2(s * qk_scale_log2 - lse2[:, None])
         if row_tile_needs_mask(start_m, start_n, M, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW,
@@ -116,18 +93,18 @@ def attention_bob_rows_kernel(
             p = tl.where(seen, p, 0.0)
         x = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         if HAS_UV:
-            uv = load_rows(uv_src, start_n, offs_n, offs_d, suvn, M, HEAD_DIM, TMA_LOADS)
+            uv = load_tile(uv_base, offs_n, offs_d, suvn, M, HEAD_DIM)
             if WANT_GQ:
                 x += p * tl.dot(do, tl.trans(uv), input_precision=PRECISION)
             if WANT_GDO:
                 acc_do = tl.dot(p.to(uv.dtype), uv, acc_do, input_precision=PRECISION)
         if HAS_G:
-            v = load_rows(v_src, start_n, offs_n, offs_d, svn, M, HEAD_DIM, TMA_LOADS)
+            v = load_tile(v_base, offs_n, offs_d, svn, M, HEAD_DIM)
             g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             if HAS_UQ:
                 g = tl.dot(uq, tl.trans(k), g, input_precision=PRECISION)
             if HAS_UK:
-                uk = load_rows(uk_src, start_n, offs_n, offs_d, sukn, M, HEAD_DIM, TMA_LOADS)
+                uk = load_tile(uk_base, offs_n, offs_d, sukn, M, HEAD_DIM)
                 g = tl.dot(q, tl.trans(uk), g, input_precision=PRECISION)
             pg = p * g * scale
             c += tl.sum(pg, 1)
@@ -141,56 +118,37 @@ def attention_bob_rows_kernel(
         if WANT_GQ:
             x_sum += tl.sum(x, 1)
             acc_q = tl.dot(x.to(k.dtype), k, acc_q, input_precision=PRECISION)
-            if not PK_LATE:
-                acc_pk = tl.dot(p.to(k.dtype), k, acc_pk, input_precision=PRECISION)
-        if PK_LATE and WANT_GDO:
             acc_pk = tl.dot(p.to(k.dtype), k, acc_pk, input_precision=PRECISION)
 
     if WANT_GQ:
-        if PK_LATE:
-            gq = acc_q * scale
-            if HAS_G:
-                dq = load_tile(DQ + b * sdqb + h * sdqh, offs_m, offs_d, sdqn, N, HEAD_DIM).to(tl.float32)
-                gq -= c[:, None] * dq
-            store_tile(GQP + b * sgb + h * sgh, gq, offs_m, offs_d, sgn, N, HEAD_DIM)
-            tl.store(X + row + offs_m, x_sum, mask=offs_m < N)
-        else:
-            gq = acc_q * scale - (scale * x_sum)[:, None] * acc_pk
-            if HAS_G:
-                dq = load_tile(DQ + b * sdqb + h * sdqh, offs_m, offs_d, sdqn, N, HEAD_DIM).to(tl.float32)
-                gq -= c[:, None] * dq
-            store_tile(GQ + b * sgb + h * sgh, gq, offs_m, offs_d, sgn, N, HEAD_DIM)
-        tl.store(C + row + offs_m, c, mask=offs_m < N)
-        tl.store(E + row + offs_m, x_sum - c * delta, mask=offs_m < N)
+        gq = acc_q * scale - (scale * x_sum)[:, None] * acc_pk
+        if HAS_G:
+            dq = load_tile(DQ + b * sdqb + h * sdqh, offs_m, offs_d, sdqn, N, HEAD_DIM).to(tl.float32)
+            gq -= c[:, None] * dq
+        store_tile(GQ + b * sgb + h * sgh, gq, offs_m, offs_d, sgn, N, HEAD_DIM)
+        tl.store(C + row + offs_m, c, mask=offs_m < svec)
+        tl.store(E + row + offs_m, x_sum - c * delta, mask=offs_m < svec)
     if WANT_GDO:
         if HAS_G:
             o = load_tile(O + b * sob + h * soh, offs_m, offs_d, son, N, HEAD_DIM).to(tl.float32)
             acc_do -= c[:, None] * o
         store_tile(GDO + b * sgb + h * sgh, acc_do, offs_m, offs_d, sgn, N, HEAD_DIM)
-        if PK_LATE:
-            x_sum = tl.load(X + row + offs_m, mask=offs_m < N, other=0.0)
-            gq = load_tile(GQP + b * sgb + h * sgh, offs_m, offs_d, sgn, N, HEAD_DIM)
-            gq -= (scale * x_sum)[:, None] * acc_pk
-            store_tile(GQ + b * sgb + h * sgh, gq, offs_m, offs_d, sgn, N, HEAD_DIM)
 
 
 @triton.jit(do_not_specialize=NO_SPECIALIZE, do_not_specialize_on_alignment=["GROUP"])
 def attention_bob_cols_kernel(
     Q, K, V, DO, UQ, UK, UV, Lse, Delta, C, E, GK, GV,
     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdon,
-    suqb, suqh, suqn, sukb, sukh, sukn, suvb, suvh, suvn, sgb, sgh, sgn,
+    suqb, suqh, suqn, sukb, sukh, sukn, suvb, suvh, suvn, sgb, sgh, sgn, svec,
     N, M, HEADS_Q, HEADS_KV, GROUP, OFFSET, WINDOW, qk_scale_log2, scale, KeyRange,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_RANGE: tl.constexpr, HAS_UQ: tl.constexpr,
     HAS_UK: tl.constexpr, HAS_UV: tl.constexpr, HAS_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    KEYS_IN_REGS: tl.constexpr, TMA_LOADS: tl.constexpr,
 ):
     """One program: BLOCK_N keys of one (batch, kv head), summing over its GROUP query heads;
     writes K̄ and V̄. Grid (cdiv(M, BLOCK_N), B * Hkv). GK and GV share strides. Tiles are
-    (BLOCK_N, BLOCK_M): the transposes of the rows kernel's. KEYS_IN_REGS keeps k, v, u_k and u_v,
-    the left operands of the five recomputed products, in registers (`in_registers`). TMA_LOADS reads
-    k, v, u_k, u_v and the loop's q, dO, u_q through tensor descriptors (`tile_source`)."""
+    (BLOCK_N, BLOCK_M): the transposes of the rows kernel's."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // HEADS_KV).to(tl.int64)
@@ -200,41 +158,27 @@ def attention_bob_cols_kernel(
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_m0 = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    k_src = tile_source(K + b * skb + hk * skh, skn, M, HEAD_DIM, BLOCK_N, BLOCK_D, TMA_LOADS)
-    k = load_rows(k_src, start_n, offs_n, offs_d, skn, M, HEAD_DIM, TMA_LOADS)
-    if KEYS_IN_REGS:
-        k = in_registers(k, offs_n, M)
+    k = load_tile(K + b * skb + hk * skh, offs_n, offs_d, skn, M, HEAD_DIM)
     if HAS_G:
-        v_src = tile_source(V + b * svb + hk * svh, svn, M, HEAD_DIM, BLOCK_N, BLOCK_D, TMA_LOADS)
-        v = load_rows(v_src, start_n, offs_n, offs_d, svn, M, HEAD_DIM, TMA_LOADS)
-        if KEYS_IN_REGS:
-            v = in_registers(v, offs_n, M)
+        v = load_tile(V + b * svb + hk * svh, offs_n, offs_d, svn, M, HEAD_DIM)
     if HAS_UK:
-        uk_src = tile_source(UK + b * sukb + hk * sukh, sukn, M, HEAD_DIM, BLOCK_N, BLOCK_D, TMA_LOADS)
-        uk = load_rows(uk_src, start_n, offs_n, offs_d, sukn, M, HEAD_DIM, TMA_LOADS)
-        if KEYS_IN_REGS:
-            uk = in_registers(uk, offs_n, M)
+        uk = load_tile(UK + b * sukb + hk * sukh, offs_n, offs_d, sukn, M, HEAD_DIM)
     if HAS_UV:
-        uv_src = tile_source(UV + b * suvb + hk * suvh, suvn, M, HEAD_DIM, BLOCK_N, BLOCK_D, TMA_LOADS)
-        uv = load_rows(uv_src, start_n, offs_n, offs_d, suvn, M, HEAD_DIM, TMA_LOADS)
-        if KEYS_IN_REGS:
-            uv = in_registers(uv, offs_n, M)
+        uv = load_tile(UV + b * suvb + hk * suvh, offs_n, offs_d, suvn, M, HEAD_DIM)
     acc_k = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     acc_v = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     lo, hi = query_range(start_n, N, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW, HAS_RANGE, BLOCK_M, BLOCK_N)
     for g_head in range(0, GROUP):
         h = hk * GROUP + g_head
-        row = (b * HEADS_Q + h) * N
-        q_src = tile_source(Q + b * sqb + h * sqh, sqn, N, HEAD_DIM, BLOCK_M, BLOCK_D, TMA_LOADS)
-        if HAS_UV or HAS_G:
-            do_src = tile_source(DO + b * sdob + h * sdoh, sdon, N, HEAD_DIM, BLOCK_M, BLOCK_D, TMA_LOADS)
-        if HAS_UQ:
-            uq_src = tile_source(UQ + b * suqb + h * suqh, suqn, N, HEAD_DIM, BLOCK_M, BLOCK_D, TMA_LOADS)
+        row = (b * HEADS_Q + h) * svec
+        q_base = Q + b * sqb + h * sqh
+        do_base = DO + b * sdob + h * sdoh
+        uq_base = UQ + b * suqb + h * suqh
         for start_m in tl.range(lo, hi, BLOCK_M):
             offs_m = start_m + offs_m0
-            q = load_rows(q_src, start_m, offs_m, offs_d, sqn, N, HEAD_DIM, TMA_LOADS)
-            lse2 = lse_log2(Lse + row, offs_m, N)
-            e = tl.load(E + row + offs_m, mask=offs_m < N, other=0.0)
+            q = load_tile(q_base, offs_m, offs_d, sqn, N, HEAD_DIM)
+            lse2 = lse_log2(Lse + row, offs_m, svec)
+            e = tl.load(E + row + offs_m, mask=offs_m < svec, other=0.0)
             st = tl.dot(k, tl.trans(q), input_precision=PRECISION)
             pt = tl.exp2(st * qk_scale_log2 - lse2[None, :])
             if col_tile_needs_mask(start_m, start_n, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW, HAS_RANGE,
@@ -243,16 +187,16 @@ def attention_bob_cols_kernel(
                 pt = tl.where(seen, pt, 0.0)
             gpt = tl.zeros([BLOCK_N, BLOCK_M], tl.float32) - e[None, :]    # (G_P - e)^T
             if HAS_UV or HAS_G:
-                do = load_rows(do_src, start_m, offs_m, offs_d, sdon, N, HEAD_DIM, TMA_LOADS)
+                do = load_tile(do_base, offs_m, offs_d, sdon, N, HEAD_DIM)
             if HAS_UV:
                 gpt = tl.dot(uv, tl.trans(do), gpt, input_precision=PRECISION)
             if HAS_G:
-                delta = tl.load(Delta + row + offs_m, mask=offs_m < N, other=0.0)
-                c = tl.load(C + row + offs_m, mask=offs_m < N, other=0.0)
+                delta = tl.load(Delta + row + offs_m, mask=offs_m < svec, other=0.0)
+                c = tl.load(C + row + offs_m, mask=offs_m < svec, other=0.0)
                 dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
                 gt = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
                 if HAS_UQ:
-                    uq = load_rows(uq_src, start_m, offs_m, offs_d, suqn, N, HEAD_DIM, TMA_LOADS)
+                    uq = load_tile(uq_base, offs_m, offs_d, suqn, N, HEAD_DIM)
                     gt = tl.dot(k, tl.trans(uq), gt, input_precision=PRECISION)
                 if HAS_UK:
                     gt = tl.dot(uk, tl.trans(q), gt, input_precision=PRECISION)

@@ -14,7 +14,10 @@ NO_SPECIALIZE = ["N", "M", "HEADS_Q", "HEADS_KV", "OFFSET", "WINDOW"]
 again whenever one of them changes its divisibility by 16 or becomes 1 (a new sequence length, a
 different head count). GROUP keeps only its "is 1" specialization (MHA against GQA); the strides
 keep theirs, as they are multiples of 16 whenever the head dim is, whatever the lengths, and
-aligned rows let the loads vectorize. Names a kernel does not take are ignored."""
+aligned rows let the loads vectorize. So does `svec`, the row stride of the float32 row vectors (lse,
+delta, c, e: `triton_ops.row_stride`, a multiple of 16): the kernels address and mask those through
+it, never through N, so their loads vectorize too (through N, every one was a scalar load). Names a
+kernel does not take are ignored."""
 
 
 @triton.jit
@@ -31,39 +34,6 @@ def load_tile(base, offs_rows, offs_d, stride_row, n_rows, HEAD_DIM: tl.constexp
     else:
         mask = (offs_rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM)
     return tl.load(tile_ptrs(base, offs_rows, offs_d, stride_row), mask=mask, other=0.0)
-
-
-@triton.jit
-def tile_source(base, stride_row, n_rows, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                BLOCK_D: tl.constexpr, TMA: tl.constexpr):
-    """What `load_rows` reads (BLOCK_ROWS, BLOCK_D) tiles of a row-major (n_rows, HEAD_DIM) slice at
-    base from: with TMA a tensor descriptor (Hopper's tensor memory accelerator copies the tile; its
-    bounds zero-fill rows past n_rows and columns past HEAD_DIM; base and stride_row must be 16-byte
-    aligned, which the launcher checks), else base itself (pointer loads)."""
-    if TMA:
-        return tl.make_tensor_descriptor(base, [n_rows, HEAD_DIM], [stride_row, 1], [BLOCK_ROWS, BLOCK_D])
-    else:
-        return base
-
-
-@triton.jit
-def load_rows(source, start, offs_rows, offs_d, stride_row, n_rows, HEAD_DIM: tl.constexpr,
-              TMA: tl.constexpr):
-    """The (rows, BLOCK_D) tile of rows offs_rows = start + arange(rows) from a `tile_source`, zero past
-    n_rows and HEAD_DIM: a descriptor load with TMA, else `load_tile`."""
-    if TMA:
-        return source.load([start, 0])
-    else:
-        return load_tile(source, offs_rows, offs_d, stride_row, n_rows, HEAD_DIM)
-
-
-@triton.jit
-def in_registers(tile, offs_rows, n_rows):
-    """tile (rows, BLOCK_D), loaded by `load_tile` with the same rows, unchanged: its rows past n_rows
-    are zero already. The select keeps Triton from staging it in shared memory, so a product that
-    takes it as left operand reads it from registers (Hopper wgmma with A in registers: only the
-    right operand is read from shared memory), at the cost of the registers that hold it."""
-    return tl.where(offs_rows[:, None] < n_rows, tile, 0.0)
 
 
 @triton.jit

@@ -1,10 +1,10 @@
-"""Compile the kernels of a second-order call side by side, before its first launch (issue 13).
+"""Compile the kernels of a second-order call side by side, before its first launch.
 
 Without it, a family's first second-order call (forward, first backward, BoB) compiles its kernels
 one after another, each at its first launch: the forward; delta, dK/dV and dQ; the BoB's rows
-launches and its columns kernel (20.7 s on the H200 for float32 tf32x3 at head dim 128). Triton's
-MLIR and LLVM passes release the GIL and ptxas runs as a subprocess, so these compiles overlap on
-threads (docs/kernel_notes.md, 2026-12-01, "compiling a family side by side").
+launches and its columns kernel (tens of seconds in float32). Triton's MLIR and LLVM passes release
+the GIL and ptxas runs as a subprocess, so these compiles overlap on threads, and the first call
+costs about its slowest kernel (docs/kernel_notes.md, "Compiling a family side by side").
 
 `second_order`, called by the forward of `kernels.autograd.AttentionFunction` when q, k or v
 requires grad, runs the three launchers once under `triton_ops.compiling_only` inside Triton's

@@ -41,10 +41,6 @@ _overrides: dict[str, dict] = {}
 _imposed: list[DeviceLimits] = []
 _working: dict[tuple, dict] = {}
 _device_cache: dict[int, DeviceLimits] = {}
-launch_listener: Callable[..., None] | None = None
-"""If set, called after every successful launch as listener(kernel, cfg, estimate, compiled,
-itemsize, precision): the settings, their shared-memory estimate and what the launch returned (the
-compiled kernel on CUDA); benchmarks/portable.py records the estimate against the real need."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,28 +115,26 @@ TF32X3_HEAD_DIM_128 = {
     "bob_cols": (16, 16, 4, 2),
 }
 """Float32 tf32x3 at head dim 128, where each loop-invariant operand keeps hi and lo parts in shared
-memory (so the 64-wide tiles of the table need more than an H200 has: 64 keys of the BoB columns
-kernel 320 KiB). Measured on the H200 at 9466ba6 (benchmarks/portable.py --parts precision, N=4096,
-causal; docs/benchmarks.md, float32): forward and first backward at 32-wide loop tiles with one
-stage more 8.4 ms against 10.6 ms for the 64-wide tiles the table stepped down to; the BoB columns
-kernel at 16 x 16 tiles 24.3 ms against 31.0 ms at 16 x 32 (190 ms before REGISTER_CAP_FP32), the
-error unchanged. The rows kernel and the JVP follow the table (stepped down by the estimate)."""
+memory, so the 64-wide tiles of the table need more than an H200 has (64 keys of the BoB columns
+kernel: 320 KiB). The forward and first backward take 32-wide loop tiles with one stage more, the
+BoB columns kernel 16 x 16 tiles: on an H200 the fastest of the settings that fit, at the same error
+(docs/kernel_notes.md, "Calibration of the launch settings"). The rows kernel and the JVP follow the
+table, stepped down by the estimate."""
 
 
 def _cuda_default(kernel: str, bd: int, itemsize: int, precision: str = "ieee") -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a CUDA launch, from the H200 sweep recorded in
-    docs/kernel_notes.md (bf16, N=16384, causal, head dims 64 and 128). Four warps (one warpgroup)
-    win where a program owns query rows: eight split the row sums of a tile across warpgroups. Head
-    dim 256 takes the smallest tiles, for the registers (`cuda_config` then fits them to the device's
-    shared memory: in float32 the BoB columns kernel asked the H200 for 228 KiB at these tiles, and
-    steps down). itemsize: bytes per input element; precision: the products of float32 inputs."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a CUDA launch: the fastest of an H200 sweep (bf16,
+    N=16384, causal, head dims 64 and 128; docs/kernel_notes.md). Four warps (one warpgroup) where a
+    program owns query rows: eight would split the row sums of a tile across warpgroups. Head dim 256
+    takes the smallest tiles, for the registers (`cuda_config` then fits them to the device's shared
+    memory). itemsize: bytes per input element; precision: the products of float32 inputs."""
     if bd > 128:
         return (64, 32, 4, 2) if kernel == "forward" else (32, 32, 4, 1)
     if itemsize == 4 and precision == "tf32x3" and bd == 128 and kernel in TF32X3_HEAD_DIM_128:
         return TF32X3_HEAD_DIM_128[kernel]
     if kernel == "forward":
         return (64, 64, 4, 3)
-    if kernel == "jvp":  # not yet swept: two (BLOCK_M, D) accumulators, one more than the dQ kernel
+    if kernel == "jvp":  # two (BLOCK_M, D) accumulators, one more than the dQ kernel (not swept)
         return (64, 64, 4, 2) if bd <= 64 else (64, 32, 4, 2)
     if kernel in ("backward_kv", "backward_q"):
         return (64, 64, 4, 2)
@@ -149,19 +143,17 @@ def _cuda_default(kernel: str, bd: int, itemsize: int, precision: str = "ieee") 
     if bd <= 64:
         return (64, 64, 4, 2)
     # bob_cols at head dim 128, 16-bit inputs: 128 keys per program over two warpgroups (their warps
-    # split keys, which need no cross-warp row sums) measured 7% faster causal and 4% full than 64 keys
-    # over one (H200, bf16, N=16384, commit 024a4bc, benchmarks/portable.py; docs/benchmarks.md).
-    # Float32 operands would not fit it (not measured): they keep the one-warpgroup tile.
+    # split keys, which need no cross-warp row sums), faster on an H200 than 64 keys over one.
+    # Float32 operands would not fit it: they keep the one-warpgroup tile.
     return (32, 128, 8, 2) if itemsize == 2 else (32, 64, 4, 2)
 
 
 REGISTER_CAP_FP32 = 255
 """`maxnreg` of every float32 launch on CUDA with float32-accurate products (tf32x3, ieee): the most
-registers ptxas may give a thread. Without it, ptxas (Triton 3.6, sm_90) gave the launches whose
-products are not wgmma 32 registers and kilobytes of stack per thread: the tf32x3 BoB columns
-kernel at head dim 128 (16 x 32 tiles, mma.sync) 8.5 KB (with the cap 255 registers and 2.8 KB), the
-IEEE BoB kernels 10-14 KB at head dims 64 and 128 (4.3-6.3 KB) and the IEEE dK/dV kernel at 128
-9.4 KB (3.1 KB). Plain tf32 compiles alike with and without it, so it is left to ptxas there."""
+registers ptxas may give a thread. Without it, ptxas (Triton 3.6, sm_90) gives the launches whose
+products are not wgmma (mma.sync tiles, FMA) 32 registers and kilobytes of stack per thread; with
+it, 255 registers and a third of the stack or less (docs/kernel_notes.md). Plain tf32 compiles alike
+with and without it, so it is left to ptxas there."""
 
 
 def split_bob_rows(head_dim: int) -> bool:
@@ -171,18 +163,9 @@ def split_bob_rows(head_dim: int) -> bool:
     return block_d(head_dim) > 64
 
 
-BOB_KERNELS = ("bob_rows", "bob_cols")
-BOB_ROWS_VARIANTS = ("PK_LATE", "DO_IN_REGS", "Q_IN_REGS", "Q_IN_REGS_GQ")
-"""Settings of the BoB rows kernel, off unless overridden (benchmarks/portable.py measures them):
-PK_LATE, with SPLIT, moves the sum P K from the Q̄ launch to the dŌ launch (two accumulators
-each, not three and one; Q̄'s partial sums pass through a float32 buffer); DO_IN_REGS keeps dO in
-registers in the launch that computes Q̄, Q_IN_REGS keeps q and u_q in registers in the launch
-that computes dŌ, Q_IN_REGS_GQ in the one that computes Q̄ (one launch: in it, if either is set).
-Their products (W, dP; S, G) then read one operand from shared memory, not two. bob_cols has
-KEYS_IN_REGS, for k, v, u_k and u_v (S, G, dP, W)."""
 COLUMN_KERNELS = ("backward_kv", "bob_cols")
 """Kernels whose programs own BLOCK_N keys and loop over query tiles (the others own BLOCK_M rows)."""
-LAUNCH_ONLY = ("SPLIT", "TMA_LOADS", "KEYS_IN_REGS", *BOB_ROWS_VARIANTS)
+LAUNCH_ONLY = ("SPLIT",)
 """Settings that are not tiles: `launch` remembers a fallback's tiles without them."""
 
 
@@ -219,38 +202,24 @@ def _row_vectors(kernel: str, flags: dict) -> int:
 
 def shared_mem_estimate(kernel: str, cfg: dict, itemsize: int, precision: str = "ieee", **flags) -> int:
     """Bytes of shared memory a launch of `kernel` with cfg (BLOCK_M, BLOCK_N, BLOCK_D, num_warps,
-    num_stages) is expected to need, for inputs of `itemsize` bytes. Fitted to what Triton 3.6
-    compiled on the H200 (rows part=shared of docs/data/portable_h200.csv, commit 024a4bc, 40
-    launches, and of docs/data/portable_h200_f4c7a04.csv, 40 more with IEEE among them; each met or
-    over-estimated, tests/kernels/test_tiling.py) and to the settings the
-    H200 refused. Three regimes:
+    num_stages) is expected to need, for inputs of `itemsize` bytes: an upper bound of what Triton
+    3.6 compiles, checked against every launch compiled on an H200 (tests/kernels/test_tiling.py reads
+    them; `python -m kernels.bench sm90` prints the estimate next to a compile). Three regimes:
       tensor-core products (16-bit inputs, or float32 with tf32): the loop-invariant operand tiles
       once, plus num_stages buffers of every tile the loop loads (the software pipeline), plus, in
       the columns kernels, num_stages - 1 buffers of the float32 per-query vectors their loop loads;
       where a program's own rows are split over warpgroups of fewer than 64 rows each (eight warps
-      on 64 rows), one float32 (BLOCK_M, BLOCK_N) tile through which the warpgroups exchange (bf16
-      rows kernel at eight warps: +8 KiB compiled at 64 x 32, +12 KiB at 64 x 64). Exact or at most
-      3% over for 16-bit inputs. Refused on the H200: bf16 D=128 columns kernel, 128 queries x 64
-      keys, 2 stages: 256 KiB (its 64 x 128 transpose, 224 KiB, launched). Float32 tf32 compiled
-      this or less (at most 8% less, but the rows kernel at D=64, 3 stages: 88 KiB against 144;
-      one such row, left alone);
+      on 64 rows), one float32 (BLOCK_M, BLOCK_N) tile through which the warpgroups exchange;
       float32 tf32x3 (each product three tf32 products of hi and lo parts): as tf32, but every
-      loop-invariant tile counted twice: Triton 3.6 (pass F32DotTC, read in the TTGIR on
-      2026-12-01) splits an operand that does not change in the loop into hi and lo once and keeps
-      both parts in shared memory for the whole loop, while the loop's tiles keep their num_stages
-      pipeline buffers and are split in registers. This is exact for the forward, both
-      backward kernels and the BoB rows kernel at D=64 and 128 (e.g. the rows kernel at D=128,
-      64 x 16, 1 stage: 224 KiB). The BoB columns kernel at D=64 (64 x 64, 1 stage) compiled one
-      float32 (BLOCK_N, BLOCK_M) tile more, 192 KiB, which its estimate adds; at D=128, 16 x 32
-      (32-key programs: mma.sync, not wgmma) that over-estimates by 13% (31% at 2 stages). So the
-      estimate refuses on the H200, as Triton did at 024a4bc, the table's D=64 columns kernel at
-      2 stages, and at D=128 the forward at 3 stages, both backward kernels at 2, the rows kernel
-      at 64 x 32 and the columns kernel at 32 x 64;
-      float32 IEEE products (FMA): the larger of the tf32 regime's count (at f4c7a04 the 10 IEEE
-      launches at D=64 and 128 compiled 74-100% of it: Triton pipelines their loads too) and the
-      loop-invariant tiles, the loop's tiles alive at once and one float32 (BLOCK_M, BLOCK_N) tile
-      of scratch (float32 D=256 columns kernel, 32 x 32 tiles: 228 KiB, refused: "Required: 228
-      KiB"). The unpipelined count alone fell short of the f4c7a04 launches by up to 41%.
+      loop-invariant tile counted twice, because Triton (pass F32DotTC) splits an operand that does
+      not change in the loop into hi and lo once and keeps both parts in shared memory for the whole
+      loop, while the loop's tiles keep their pipeline buffers and are split in registers; the BoB
+      columns kernel one float32 (BLOCK_N, BLOCK_M) tile more;
+      float32 IEEE products (FMA): the larger of the tf32 regime's count (Triton pipelines these
+      loads too) and the loop-invariant tiles, the loop's tiles alive at once and one float32
+      (BLOCK_M, BLOCK_N) tile of scratch.
+    How each regime was fitted and where it over-estimates: docs/kernel_notes.md, "Calibration of
+    the launch settings".
     """
     outer, inner, alive = _operand_tiles(kernel, flags)
     rows_outer, rows_inner = cfg["BLOCK_M"], cfg["BLOCK_N"]
@@ -315,8 +284,7 @@ def _memory_key(kernel: str, q: torch.Tensor, precision: str) -> tuple:
 
 def choose(kernel: str, q: torch.Tensor, **flags) -> dict:
     """Launch settings for `kernel` with inputs like q (B, H, N, D): BLOCK_M, BLOCK_N, BLOCK_D,
-    num_warps, num_stages, for bob_rows SPLIT (two launches or one) and the `BOB_ROWS_VARIANTS`,
-    for both BoB kernels TMA_LOADS (all off unless overridden). flags: the kernel's
+    num_warps, num_stages, and for bob_rows SPLIT (two launches or one). flags: the kernel's
     compile-time flags (HAS_UQ, ..., PRECISION), which the shared-memory estimate reads."""
     precision = flags.get("PRECISION", "ieee")
     remembered = _working.get(_memory_key(kernel, q, precision))
@@ -331,11 +299,6 @@ def choose(kernel: str, q: torch.Tensor, **flags) -> dict:
                "num_stages": stages}
     if kernel == "bob_rows":
         cfg.setdefault("SPLIT", split_bob_rows(q.shape[-1]))
-        cfg.update({name: False for name in BOB_ROWS_VARIANTS})
-    if kernel == "bob_cols":
-        cfg["KEYS_IN_REGS"] = False
-    if kernel in BOB_KERNELS:
-        cfg.setdefault("TMA_LOADS", False)
     cfg.update(_overrides.get(kernel, {}))
     return cfg
 
@@ -370,9 +333,6 @@ def launch(kernel: str, q: torch.Tensor, run: Callable[[dict], object], **flags)
         if kernel not in _overrides:
             _working[_memory_key(kernel, q, precision)] = {
                 k: v for k, v in cfg.items() if k not in LAUNCH_ONLY}
-        if launch_listener is not None:
-            estimate = shared_mem_estimate(kernel, cfg, itemsize, precision, **flags)
-            launch_listener(kernel, cfg, estimate, compiled, itemsize, precision)
         return cfg
 
 
@@ -396,15 +356,11 @@ def _fallback(kernel, cfg, err, itemsize, limit, precision, flags) -> dict:
 @contextlib.contextmanager
 def override(kernel: str, **settings):
     """Within the block, launch `kernel` with `settings` (e.g. BLOCK_M=128, num_warps=8, maxnreg=255
-    (None: ptxas's own choice); for bob_rows
-    also SPLIT=False, one launch, and the `BOB_ROWS_VARIANTS`; for bob_rows and bob_cols
-    TMA_LOADS=True, the operand tiles through tensor descriptors)."""
+    (None: ptxas's own choice); for bob_rows also SPLIT=False, one launch)."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     known = (("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "maxnreg")
-             + (("SPLIT", *BOB_ROWS_VARIANTS) if kernel == "bob_rows" else ())
-             + (("KEYS_IN_REGS",) if kernel == "bob_cols" else ())
-             + (("TMA_LOADS",) if kernel in BOB_KERNELS else ()))
+             + (("SPLIT",) if kernel == "bob_rows" else ()))
     unknown = sorted(set(settings) - set(known))
     if unknown:
         raise ValueError(f"override({kernel!r}) takes settings {known}, got {unknown}")

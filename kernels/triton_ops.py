@@ -82,35 +82,49 @@ def _mask_args(causal: bool, window: int | None, n: int, m: int, key_range: torc
             "HAS_RANGE": key_range is not None}
 
 
-def _prepare_descriptors(kernel: str, cfg: dict, device: torch.device,
-                         tensors: dict[str, torch.Tensor]) -> None:
-    """For a launch with cfg's TMA_LOADS, whose kernel builds tensor descriptors over `tensors` (name
-    -> (B, H, L, D)): check that each starts 16-byte aligned with batch, head and row strides of whole
-    16-byte units (TMA's rule; ValueError otherwise). On CUDA give Triton an allocator for the
-    descriptors' global scratch (`triton.set_allocator`, replacing any other)."""
-    if not cfg["TMA_LOADS"]:
-        return
-    for name, t in tensors.items():
-        if t.data_ptr() % 16 or any(stride * t.element_size() % 16 for stride in t.stride()[:-1]):
-            raise ValueError(
-                f"the {kernel} setting TMA_LOADS needs {name} to start 16-byte aligned with strides "
-                f"(batch, head, row) of whole 16-byte units; got strides {tuple(t.stride())} of "
-                f"{t.element_size()}-byte elements at address % 16 = {t.data_ptr() % 16} (head dim "
-                f"{t.shape[-1]}: contiguous inputs need a multiple of {16 // t.element_size()}); leave "
-                f"TMA_LOADS off")
-    if device.type == "cuda":
-        triton.set_allocator(
-            lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device))
+ROW_ALIGN = 16
+"""The float32 row vectors that the backward and BoB kernels read (lse, delta, c, e: one value per
+(batch, head, query)) start every `row_stride(N)` elements: a multiple of ROW_ALIGN."""
+
+
+def row_stride(n: int) -> int:
+    """Elements between the (batch, head) rows of the row vectors: n rounded up to ROW_ALIGN.
+
+    The kernels take it as the argument `svec` and read rows [0, svec) of each (the rows past n
+    hold values that add nothing: lse +inf, delta, c and e 0). Triton specializes `svec` on its
+    divisibility by 16, which always holds, so the row vectors load as aligned vectors while the
+    lengths themselves stay unspecialized (no compilation per length)."""
+    return triton.cdiv(n, ROW_ALIGN) * ROW_ALIGN
+
+
+def _row_vectors(batch: int, heads: int, n: int, device) -> torch.Tensor:
+    """A (batch, heads, n) float32 view of a buffer whose rows are `row_stride(n)` apart; the
+    kernel that fills it writes the padding too."""
+    return _empty((batch, heads, row_stride(n)), torch.float32, device)[..., :n]
+
+
+def _aligned_lse(lse: torch.Tensor) -> torch.Tensor:
+    """lse (B, H, N) as the kernels read it: itself when its rows are already `row_stride(N)` apart
+    (contiguous with N a multiple of ROW_ALIGN), else a copy whose padding is +inf."""
+    batch, heads, n = lse.shape
+    stride = row_stride(n)
+    if n == stride and all(size == 1 or got == want for size, got, want in
+                           zip(lse.shape, lse.stride(), (heads * stride, stride, 1))):
+        return lse
+    padded = torch.full((batch, heads, stride), float("inf"), dtype=torch.float32, device=lse.device)
+    padded[..., :n] = lse
+    return padded[..., :n]
 
 
 def row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """rowsum(a * b) in float32. a, b: (B, H, N, D) -> (B, H, N)."""
+    """rowsum(a * b) in float32. a, b: (B, H, N, D) -> (B, H, N), rows `row_stride(N)` apart
+    (zero in the padding)."""
     batch, heads, n, d = a.shape
-    out = _empty((batch, heads, n), torch.float32, a.device)
+    out = _row_vectors(batch, heads, n, a.device)
     block_m = 64 if a.is_cuda else 16
-    grid = (triton.cdiv(n, block_m), batch * heads)
+    grid = (triton.cdiv(row_stride(n), block_m), batch * heads)
     _start(row_dot_kernel, grid)(
-        a, b, out, *_strides(a), *_strides(b), n, heads,
+        a, b, out, *_strides(a), *_strides(b), row_stride(n), n, heads,
         HEAD_DIM=d, BLOCK_M=block_m, BLOCK_D=tiling.block_d(d),
     )
     return out
@@ -144,7 +158,7 @@ def backward(q, k, v, out, lse, dout, *, causal: bool, window: int | None, scale
              fp32_precision: str | None = None, key_range: torch.Tensor | None = None):
     """First backward. Returns (dq, dk, dv) shaped like (q, k, v)."""
     q, k, v, out, dout = (_unit_last(t) for t in (q, k, v, out, dout))
-    lse = lse.contiguous()
+    lse = _aligned_lse(lse)
     batch, heads_q, n, d = q.shape
     heads_kv, m = k.shape[1], k.shape[2]
     group = heads_q // heads_kv
@@ -161,14 +175,14 @@ def backward(q, k, v, out, lse, dout, *, causal: bool, window: int | None, scale
     def run_kv(cfg):
         return _start(attention_backward_dkdv_kernel, (triton.cdiv(m, cfg["BLOCK_N"]), batch * heads_kv))(
             q, k, v, dout, lse, delta, dk, dv,
-            *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dk),
+            *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dk), row_stride(n),
             n, m, heads_q, heads_kv, group, **common, **cfg,
         )
 
     def run_q(cfg):
         return _start(attention_backward_dq_kernel, (triton.cdiv(n, cfg["BLOCK_M"]), batch * heads_q))(
             q, k, v, dout, lse, delta, dq,
-            *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dq),
+            *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dq), row_stride(n),
             n, m, heads_q, group, **common, **cfg,
         )
 
@@ -183,7 +197,7 @@ def bob(q, k, v, out, lse, dout, dq, u_q, u_k, u_v, *, causal: bool, window: int
     Returns (grad_q, grad_k, grad_v, grad_dout) shaped like (q, k, v, dout)."""
     q, k, v, out, dout, dq = (_unit_last(t) for t in (q, k, v, out, dout, dq))
     u_q, u_k, u_v = (None if t is None else _unit_last(t.to(q.dtype)) for t in (u_q, u_k, u_v))
-    lse = lse.contiguous()
+    lse = _aligned_lse(lse)
     batch, heads_q, n, d = q.shape
     heads_kv, m = k.shape[1], k.shape[2]
     group = heads_q // heads_kv
@@ -196,8 +210,8 @@ def bob(q, k, v, out, lse, dout, dq, u_q, u_k, u_v, *, causal: bool, window: int
     u_k_ = k if u_k is None else u_k
     u_v_ = k if u_v is None else u_v
     delta = row_dot(dout, out)
-    row_c = _empty((batch, heads_q, n), torch.float32, q.device)
-    row_e = _empty((batch, heads_q, n), torch.float32, q.device)
+    row_c = _row_vectors(batch, heads_q, n, q.device)
+    row_e = _row_vectors(batch, heads_q, n, q.device)
     grad_q = _empty(q.shape, q.dtype, q.device)
     grad_dout = _empty(q.shape, q.dtype, q.device)
     grad_k = _empty(k.shape, k.dtype, k.device)
@@ -209,40 +223,25 @@ def bob(q, k, v, out, lse, dout, dq, u_q, u_k, u_v, *, causal: bool, window: int
     )
     def run_rows(cfg):
         cfg = dict(cfg)
-        split, pk_late = cfg.pop("SPLIT"), cfg.pop("PK_LATE")
-        do_regs, q_regs, q_regs_gq = (cfg.pop(name) for name in ("DO_IN_REGS", "Q_IN_REGS", "Q_IN_REGS_GQ"))
-        pk_late = pk_late and split
-        _prepare_descriptors("bob_rows", cfg, q.device, {name: t for name, t, on in (
-            ("q", q, True), ("dout", dout, True), ("u_q", u_q, flags["HAS_UQ"]), ("k", k, True),
-            ("v", v, flags["HAS_G"]), ("u_k", u_k, flags["HAS_UK"]), ("u_v", u_v, flags["HAS_UV"])) if on})
-        # Q̄ with c and e first, then dŌ (in one launch where the accumulators fit the registers).
-        # With PK_LATE the first launch leaves float32 partial sums of Q̄ and the row sums x behind.
-        partial = _empty(q.shape, torch.float32, q.device) if pk_late else grad_q
-        row_x = _empty((batch, heads_q, n), torch.float32, q.device) if pk_late else row_c
+        split = cfg.pop("SPLIT")
         rows_args = (
             q, k, v, out, dout, dq, u_q_, u_k_, u_v_, lse, delta, grad_q, grad_dout, row_c, row_e,
-            partial, row_x,
             *_strides(q), *_strides(k), *_strides(v), *_strides(out), *_strides(dout), *_strides(dq),
-            *_strides(u_q_), *_strides(u_k_), *_strides(u_v_), *_strides(grad_q),
+            *_strides(u_q_), *_strides(u_k_), *_strides(u_v_), *_strides(grad_q), row_stride(n),
             n, m, heads_q, group,
         )
+        # Q̄ with c and e first, then dŌ (in one launch where the accumulators fit the registers).
         passes = ((True, False), (False, True)) if split else ((True, True),)
         grid = (triton.cdiv(n, cfg["BLOCK_M"]), batch * heads_q)
         compiled = [_start(attention_bob_rows_kernel, grid)(
-                        *rows_args, **common, WANT_GQ=gq, WANT_GDO=gdo, PK_LATE=pk_late,
-                        DO_IN_REGS=do_regs and gq, Q_IN_REGS=(q_regs and gdo) or (q_regs_gq and gq), **cfg)
-                    for gq, gdo in passes]
+            *rows_args, **common, WANT_GQ=gq, WANT_GDO=gdo, **cfg) for gq, gdo in passes]
         return max(compiled, key=lambda c: getattr(getattr(c, "metadata", None), "shared", 0))
 
     def run_cols(cfg):
-        _prepare_descriptors("bob_cols", cfg, q.device, {name: t for name, t, on in (
-            ("q", q, True), ("dout", dout, flags["HAS_UV"] or flags["HAS_G"]), ("u_q", u_q, flags["HAS_UQ"]),
-            ("k", k, True), ("v", v, flags["HAS_G"]), ("u_k", u_k, flags["HAS_UK"]),
-            ("u_v", u_v, flags["HAS_UV"])) if on})
         return _start(attention_bob_cols_kernel, (triton.cdiv(m, cfg["BLOCK_N"]), batch * heads_kv))(
             q, k, v, dout, u_q_, u_k_, u_v_, lse, delta, row_c, row_e, grad_k, grad_v,
             *_strides(q), *_strides(k), *_strides(v), *_strides(dout),
-            *_strides(u_q_), *_strides(u_k_), *_strides(u_v_), *_strides(grad_k),
+            *_strides(u_q_), *_strides(u_k_), *_strides(u_v_), *_strides(grad_k), row_stride(n),
             n, m, heads_q, heads_kv, group, **common, **cfg,
         )
 

@@ -16,11 +16,10 @@ INTERPRETER_WRONG_DTYPES = (torch.bfloat16,)
 the answer is near 3.5); refused there, fine on CUDA."""
 FP32_PRECISIONS = ("ieee", "tf32x3", "tf32")
 DEFAULT_FP32_PRECISION = "tf32x3"
-"""The products of float32 inputs on the Triton path (fp32_precision=None). Chosen on the H200 at
-f4c7a04 (benchmarks/portable.py, docs/benchmarks.md; N=4096, causal): tf32x3's worst error is 0.99x
-(head dim 64) and 1.30x (128) plain PyTorch float32's, IEEE's 1.45x and 1.43x; tf32x3's BoB takes
-8.6 / 189 ms against IEEE's 250 / 571 ms, and its first call 11 / 18 s against 44 / 73 s. At 9466ba6
-(registers capped, head dim 128 tiles of its own): BoB 8.5 / 24 ms against IEEE's 61 / 158 ms."""
+"""The products of float32 inputs on the Triton path (fp32_precision=None): three TF32 products of hi
+and lo parts. On an H200 their error is at or below plain PyTorch float32's, and they run many times
+faster than IEEE products, which lose to them in error too (docs/kernel_notes.md, "Calibration of the
+launch settings")."""
 
 
 def triton_interpreter_enabled() -> bool:

@@ -3,7 +3,7 @@ functions and through the autograd chain, and bad values fail by name.
 
 Triton's interpreter computes every product in full float32 whatever input_precision says, so on
 the CPU the modes are checked for plumbing and for float64 agreement of the code around them; their
-errors on a GPU are measured by benchmarks/portable.py (part "precision").
+errors on a GPU are measured by `python -m kernels.bench precision`.
 """
 
 import contextlib
@@ -19,7 +19,7 @@ KERNEL_NAMES = ("attention_forward_kernel", "attention_backward_dkdv_kernel", "a
                 "attention_bob_rows_kernel", "attention_bob_cols_kernel")
 CASE = Case(1, 4, 2, 37, 29, 48, causal=True)
 # On a GPU the TF32 modes round: bounds well above their expected error (measured, against plain
-# PyTorch float32, by benchmarks/portable.py), to catch a broken mode, not to grade it.
+# PyTorch float32, by `python -m kernels.bench precision`), to catch a broken mode, not to grade it.
 TOL = {"ieee": 2e-5, "tf32x3": 1e-4 if DEVICE == "cuda" else 2e-5, "tf32": 2e-2 if DEVICE == "cuda" else 2e-5}
 
 

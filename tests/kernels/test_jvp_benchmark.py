@@ -1,18 +1,12 @@
-"""The logic of benchmarks/jvp.py: its correctness check (float32; the Triton interpreter on the CPU)
-passes on the real kernels and stops on a wrong one, and its table reads the recorded rows."""
-
-import importlib.util
-import pathlib
+"""The logic of `python -m kernels.bench jvp`: its correctness check (float32; the Triton interpreter
+on the CPU) passes on the real kernels and stops on a wrong one, and its table reads the recorded rows."""
 
 import pytest
 import torch
 
 from kernels import triton_ops
+from kernels.bench import jvp as bench
 
-PATH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "jvp.py"
-spec = importlib.util.spec_from_file_location("benchmark_jvp", PATH)
-bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench)
 SIZE = (1, 1, 23, 16)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU runs the interpreter (tests/conftest.py)
 

@@ -1,19 +1,13 @@
-"""The logic of benchmarks/key_ranges.py: its correctness check (float32; the Triton interpreter on
+"""The logic of `python -m kernels.bench ranges`: its correctness check (float32; the Triton interpreter on
 the CPU) passes on the real kernels and stops on kernels that ignore the ranges, its settings give
 the ranges and visible pairs they say, and its table reads the recorded rows."""
-
-import importlib.util
-import pathlib
 
 import pytest
 import torch
 
 from kernels import triton_ops
+from kernels.bench import ranges as bench
 
-PATH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "key_ranges.py"
-spec = importlib.util.spec_from_file_location("benchmark_key_ranges", PATH)
-bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench)
 SIZE = dict(b=3, h=1, n=40, d=16)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU runs the interpreter (tests/conftest.py)
 

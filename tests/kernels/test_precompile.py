@@ -5,7 +5,7 @@ behaves as it assumes (these tests fail when a Triton upgrade changes it).
 The CPU tests run the autograd chain with every kernel replaced by a recorder that computes Triton's
 cache key for sm_90 (the real binder of a JITFunction made from the interpreted kernel) for each
 compile-ahead call and each launch, and runs nothing. The subprocess test compiles for sm_90 on
-the CPU (no interpreter) through Triton's AsyncCompileMode, with benchmarks/compile_family.py."""
+the CPU (no interpreter) through Triton's AsyncCompileMode, with `python -m kernels.bench compile`."""
 
 import concurrent.futures
 import inspect
@@ -182,9 +182,9 @@ def test_triton_launch_path_is_the_one_relied_on():
 def test_compiles_for_sm90_on_worker_threads_into_the_kernel_caches(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHONPATH=str(ROOT), TRITON_CACHE_DIR=str(tmp_path))
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compile_family.py"), "--modes", "ahead",
+    done = subprocess.run([sys.executable, "-m", "kernels.bench", "compile", "--modes", "ahead",
                            "--d", "16", "--dtype", "fp16", "--n", "37", "--mask", "window8"],
-                          env=env, capture_output=True, text=True, timeout=300, check=True)
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=300, check=True)
     (row,) = [json.loads(line) for line in done.stdout.splitlines()]
     names = ["attention_backward_dkdv_kernel", "attention_backward_dq_kernel", "attention_bob_cols_kernel",
              "attention_bob_rows_kernel", "attention_forward_kernel", "row_dot_kernel"]

@@ -1,7 +1,7 @@
 """Per-batch-row key ranges (padding masks) on one GPU: what the range code costs, and what the
 tiles it skips save, in one process.
 
-    PYTHONPATH=. python benchmarks/key_ranges.py --out key_ranges_out
+    python -m kernels.bench ranges --out key_ranges_out
 
 Before timing it checks once, at a small size (bf16, B=3, H=2, N=300, D=64, causal; left
 padding, right padding and an empty row), the forward, the first backward and the BoB with key
@@ -14,17 +14,18 @@ bf16 error); it stops if one is off. Then, for every (d, N), causal, bf16, B=4, 
          tiles before each row's range are skipped, so times should follow the visible pairs;
 it times the forward, forward + first backward, and the BoB (the second autograd.grad alone), as
 median ms (kernels.bench.time_ms) and the ratio to none next to the ratio of visible pairs.
-Writes results.csv, results.json and table.md to --out (kernels.bench.write_results).
+Writes results.csv, results.json and table.md to --out.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 
 import kernels
-from kernels.bench import second_order_call, time_ms, write_results
+from kernels.bench import Results, int_list, meta, rel, second_order_call, time_ms
 
 SETTINGS = ("none", "full", "left")
 LEFT_PAD_FRACTIONS = (0, 1 / 8, 1 / 4, 1 / 2)
@@ -66,9 +67,6 @@ def check(device, dtype=torch.bfloat16, b=3, h=2, n=300, d=64) -> dict:
         bob = kernels.attention_bob(q, k, v, out, lse, dout, firsts[0], u_q, u_k, u_v, **opts)
         return [t.double().cpu() for t in (out, *firsts, *bob)]
 
-    def rel(got, want):
-        return float((got - want).norm() / want.norm())
-
     want = stages("torch", torch.float64, "cpu")
     plain = stages("torch", dtype, "cpu")
     got = stages("triton", dtype, device)
@@ -83,19 +81,17 @@ def check(device, dtype=torch.bfloat16, b=3, h=2, n=300, d=64) -> dict:
 
 def warm_time_ms(fn, budget: float) -> float:
     """time_ms after one untimed call: time_ms sizes its repetitions by its own first call, which
-    would otherwise include the compilation (one timed call, not a median; the 1.19x of the d128
-    forward at 8e27c64 compared two such single calls)."""
+    would otherwise include the compilation (and leave one timed call, not a median)."""
     fn()
     return time_ms(fn, budget)
 
 
-def run_case(args, n: int, d: int) -> list[dict]:
+def run_case(results: Results, args, n: int, d: int) -> None:
     """Times of every setting at (n, d): forward, forward + backward, BoB."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     b, h = len(LEFT_PAD_FRACTIONS), args.heads
     q, k, v, dout, u_q, u_k, u_v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16,
                                                 generator=gen) for _ in range(7))
-    rows = []
     for setting in SETTINGS:
         ranges = key_ranges(setting, b, n, "cuda")
 
@@ -113,10 +109,8 @@ def run_case(args, n: int, d: int) -> list[dict]:
                  "bob": warm_time_ms(bob, args.budget)}
         del bob
         for stage, ms in times.items():
-            rows.append({"d": d, "n": n, "setting": setting, "stage": stage, "ms": ms,
-                         "pairs": visible_pairs(setting, b, n)})
+            results.record(d=d, n=n, setting=setting, stage=stage, ms=ms, pairs=visible_pairs(setting, b, n))
         torch.cuda.empty_cache()
-    return rows
 
 
 def markdown_table(rows: list[dict], meta: dict) -> str:
@@ -140,7 +134,8 @@ def markdown_table(rows: list[dict], meta: dict) -> str:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m kernels.bench ranges", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--n", default="4096,16384", help="comma-separated sequence lengths")
     p.add_argument("--d", default="64,128", help="comma-separated head dims")
     p.add_argument("--heads", type=int, default=8)
@@ -148,23 +143,16 @@ def main(argv=None) -> None:
     p.add_argument("--out", default="key_ranges_out", help="output directory")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("benchmarks/key_ranges.py needs a CUDA GPU")
-    import triton
-
-    from kernels.environment import commit
-
+        raise SystemExit("python -m kernels.bench ranges needs a CUDA GPU")
     errors = check("cuda")
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "commit": commit(), "heads": args.heads,
-            "check": ", ".join(f"{k} {e:.1e}" for k, e in errors.items())}
-    rows = []
-    for d in (int(x) for x in args.d.split(",")):
-        for n in (int(x) for x in args.n.split(",")):
-            rows += run_case(args, n, d)
-            print(f"d={d} N={n} done", flush=True)
-    table = markdown_table(rows, meta)
-    write_results(rows, args.out, meta, table)
-    print(table)
+    info = meta("kernels.bench", ["ranges", *(sys.argv[1:] if argv is None else argv)], heads=args.heads,
+                check=", ".join(f"{k} {e:.1e}" for k, e in errors.items()))
+    info["gpu"] = info["device"]
+    results = Results(args.out, info)
+    for d in int_list(args.d):
+        for n in int_list(args.n):
+            run_case(results, args, n, d)
+    results.finish(markdown_table(results.rows, info))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
-"""Benchmark of FlashBoB against the baselines, on one GPU.
+"""FlashBoB against the baselines, on one GPU.
 
-    python -m kernels.bench --n 1024,4096,16384 --d 64,128 --mask causal,full --out bench_out
+    python -m kernels.bench speed --n 1024,4096,16384 --d 64,128 --mask causal,full --out bench_out
 
 For every case (B=1, H=8 by default) it measures, in one process:
   ours      forward, first backward, and the BoB (the second `autograd.grad` call alone, through
@@ -21,144 +21,47 @@ For the baselines' BoB we report time and memory only.
 from __future__ import annotations
 
 import argparse
-import csv
-import json
 import os
+import sys
 import time
 
-import numpy as np
 import torch
-import torch.nn.functional as F
 
 import kernels
-from kernels.environment import describe
+from kernels.bench import (
+    DTYPES,
+    Results,
+    meta,
+    parse_mask,
+    peak_gib,
+    random_inputs,
+    sdpa_attention,
+    second_order_call,
+    sync_time,
+    tflops,
+    time_ms,
+    visible_pairs,
+)
 from kernels.reference import attention_naive
 
 PRODUCTS = {"ours_forward": 2, "ours_backward": 7, "ours_bob": 18, "flash_forward": 2,
             "flash_backward": 5, "flash_fwd_bwd": 7}
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def visible_pairs(n: int, m: int, causal: bool, window: int | None) -> int:
-    """Number of (query, key) pairs the mask leaves visible."""
-    if not causal:
-        return n * m
-    i = np.arange(n, dtype=np.int64)
-    hi = np.minimum(m - 1, i + m - n)
-    lo = np.zeros_like(i) if window is None else np.maximum(0, i + m - n - window + 1)
-    return int(np.clip(hi - lo + 1, 0, None).sum())
-
-
-def parse_mask(text: str) -> tuple[bool, int | None]:
-    """'full' -> (False, None); 'causal' -> (True, None); 'window1024' -> (True, 1024)."""
-    if text == "full":
-        return False, None
-    if text == "causal":
-        return True, None
-    if text.startswith("window"):
-        return True, int(text[len("window"):])
-    raise ValueError(f"--mask entries must be full, causal or windowW, got {text!r}")
-
-
-def sync_time(fn) -> float:
-    """Seconds of one synchronised call (first calls: compilation included)."""
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - start
-
-
-def time_ms(fn, budget_s: float = 1.0, max_reps: int = 50, warm_s: float | None = None) -> float:
-    """Median milliseconds of fn over as many timed calls as fit in budget_s (at least one). warm_s:
-    the seconds of a warm call the caller already made; without it, one warm-up call comes first."""
-    first = sync_time(fn) if warm_s is None else warm_s
-    reps = int(max(1, min(max_reps, budget_s / max(first, 1e-6))))
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return float(np.median(times))
-
-
-def kernel_times(fn, names, reps: int = 5) -> dict[str, float]:
-    """Mean GPU milliseconds per call of fn spent in the kernels whose names start with each of
-    `names` (all their launches summed), from the profiler, after one warm call."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    events = prof.key_averages()
-    return {name: sum(e.device_time_total for e in events if e.key.startswith(name)) / reps / 1e3
-            for name in names}
-
-
-def peak_gib(fn) -> tuple[float, float]:
-    """(peak GiB allocated during fn, GiB allocated before it)."""
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() / 2**30, before / 2**30
-
-
-def make_inputs(b, h, n, d, dtype, seed=0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    return [torch.randn(b, h, n, d, device="cuda", dtype=dtype, generator=gen) for _ in range(7)]
-
-
-def second_order_call(attention, q, k, v, dout, u_q, u_k, u_v):
-    """Build out and (dq, dk, dv) with create_graph, return the BoB call (the second grad) as a closure."""
-    q, k, v, dout = (t.detach().requires_grad_() for t in (q, k, v, dout))
-    out = attention(q, k, v)
-    firsts = torch.autograd.grad(out, (q, k, v), dout, create_graph=True)
-
-    def bob():
-        return torch.autograd.grad(firsts, (q, k, v, dout), (u_q, u_k, u_v), retain_graph=True)
-
-    return bob
-
-
-def sdpa_attention(backend, causal):
-    from torch.nn.attention import sdpa_kernel
-
-    def attention(q, k, v):
-        with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-
-    return attention
-
-
-def tflops(products: int, pairs: int, d: int, bh: int, ms: float) -> float:
-    return products * 2 * pairs * d * bh / (ms * 1e-3) / 1e12
-
-
-def run_case(args, n, d, mask, dtype_name, skip: set) -> list[dict]:
+def run_case(results: Results, args, n, d, mask, dtype_name, skip: set) -> None:
     from torch.nn.attention import SDPBackend
 
     causal, window = parse_mask(mask)
     dtype = DTYPES[dtype_name]
     b, h = args.batch, args.heads
     pairs = visible_pairs(n, n, causal, window)
-    q, k, v, dout, u_q, u_k, u_v = make_inputs(b, h, n, d, dtype)
+    q, k, v, dout, u_q, u_k, u_v = random_inputs(b, h, h, n, d, dtype)
     base = {"n": n, "d": d, "mask": mask, "dtype": dtype_name, "batch": b, "heads": h}
-    rows = []
 
     def record(method, ms=None, first_s=None, peak=None, io=None, status="ok", products=None):
-        row = {**base, "method": method, "ms": ms, "first_call_s": first_s, "peak_gib": peak,
-               "inputs_outputs_gib": io, "status": status,
-               "tflops": tflops(products, pairs, d, b * h, ms) if (ms and products) else None}
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        results.record(**base, method=method, ms=ms, first_call_s=first_s, peak_gib=peak,
+                       inputs_outputs_gib=io, status=status,
+                       tflops=tflops(products, pairs, d, b * h, ms) if (ms and products) else None)
 
     opts = dict(causal=causal, window=window, backend="triton")
     # Ours: forward, first backward, BoB.
@@ -225,27 +128,6 @@ def run_case(args, n, d, mask, dtype_name, skip: set) -> list[dict]:
             record(method, status="oom")
         bob = None
         torch.cuda.empty_cache()
-    return rows
-
-
-def write_results(rows: list[dict], out_dir: str, meta: dict, table: str) -> None:
-    """results.json ({"meta", "rows"}), results.csv (one row per measurement) and table.md (`table`) in
-    out_dir: the files of every kernel benchmark (this one, benchmarks/jvp.py)."""
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "results.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    with open(os.path.join(out_dir, "results.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
-        writer.writeheader()
-        writer.writerows(rows)
-    with open(os.path.join(out_dir, "table.md"), "w") as f:
-        f.write(table)
-
-
-def write_outputs(rows: list[dict], out_dir: str, meta: dict) -> None:
-    """`write_results` with this benchmark's table, and its plot time_vs_n.png."""
-    write_results(rows, out_dir, meta, markdown_table(rows, meta))
-    plot(rows, os.path.join(out_dir, "time_vs_n.png"))
 
 
 def markdown_table(rows: list[dict], meta: dict) -> str:
@@ -316,7 +198,8 @@ def plot(rows: list[dict], path: str) -> None:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m kernels.bench speed", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--n", default="1024,4096,16384", help="comma-separated sequence lengths")
     p.add_argument("--d", default="64,128", help="comma-separated head dims")
     p.add_argument("--mask", default="causal,full", help="comma-separated: full, causal, windowW")
@@ -343,17 +226,18 @@ def parse_args(argv=None):
 def main(argv=None) -> None:
     args = parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("kernels.bench needs a CUDA GPU")
-    env = describe(torch.device("cuda"), "kernels.bench")
-    meta = {**env, "gpu": env["device"], "batch": args.batch, "heads": args.heads}
-    rows, skip = [], set()
+        raise SystemExit("python -m kernels.bench speed needs a CUDA GPU")
+    info = meta("kernels.bench", ["speed", *(sys.argv[1:] if argv is None else argv)], batch=args.batch,
+                heads=args.heads)
+    info["gpu"] = info["device"]
+    results, skip = Results(args.out, info), set()
     for dtype in args.dtype.split(","):
         for mask in args.mask.split(","):
             for d in (int(x) for x in args.d.split(",")):
                 for n in sorted(int(x) for x in args.n.split(",")):
-                    rows += run_case(args, n, d, mask, dtype, skip)
-                    write_outputs(rows, args.out, meta)
-    print(markdown_table(rows, meta))
+                    run_case(results, args, n, d, mask, dtype, skip)
+                    plot(results.rows, os.path.join(args.out, "time_vs_n.png"))
+    results.finish(markdown_table(results.rows, info))
 
 
 if __name__ == "__main__":

@@ -2,11 +2,11 @@
 one after another, as the first launches compile them ("first-launch"), or side by side on
 threads, as `kernels.precompile` does before the first forward ("ahead").
 
-    PYTHONPATH=. python benchmarks/compile_family.py --d 128 --dtype fp32 --fp32-precision tf32x3
-    PYTHONPATH=. python benchmarks/compile_family.py --d 64 --dtype fp32 --modes ahead
+    python -m kernels.bench compile --d 128 --dtype fp32 --fp32-precision tf32x3
+    python -m kernels.bench compile --d 64 --dtype fp32 --modes ahead
 
 Each mode runs in a fresh process with an empty Triton cache (TRITON_CACHE_DIR a new directory),
-with the launch settings kernels/tiling.py picks on the GPU (`sm90_resources.device_settings`) and a
+with the launch settings kernels/tiling.py picks on the GPU (`kernels.bench.sm90.device_settings`) and a
 stand-in for Triton's CUDA driver that names the target and launches nothing, so the compiles are
 those of the GPU (same specialization and options; lengths do not specialize). Prints one JSON line
 per mode: wall seconds, the kernels compiled and the threads that compiled them, the kernels the
@@ -34,14 +34,9 @@ from triton.backends.compiler import GPUTarget
 from triton.runtime.driver import driver
 
 from kernels import precompile, tiling, triton_ops, validation
-from kernels.bench import parse_mask
+from kernels.bench import DTYPES, parse_mask, str_list
+from kernels.bench.sm90 import device_settings
 
-try:  # run as a script, or imported as benchmarks.compile_family
-    from sm90_resources import device_settings
-except ImportError:
-    from benchmarks.sm90_resources import device_settings
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MODES = ("first-launch", "ahead")
 
 
@@ -125,7 +120,8 @@ def child(args) -> dict:
 
 
 def main(argv=None) -> list[dict]:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m kernels.bench compile", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--d", type=int, default=128, help="head dim")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--mask", default="causal", help="full, causal or windowW")
@@ -140,12 +136,12 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        raise SystemExit("benchmarks/compile_family.py compiles kernels: unset TRITON_INTERPRET")
+        raise SystemExit("python -m kernels.bench compile compiles kernels: unset TRITON_INTERPRET")
     if args.child:
         row = child(args)
         print(json.dumps(row), flush=True)
         return [row]
-    modes = [m for m in args.modes.split(",") if m]
+    modes = str_list(args.modes)
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
         p.error(f"--modes: unknown {unknown}; choose from {', '.join(MODES)}")
@@ -153,8 +149,8 @@ def main(argv=None) -> list[dict]:
     passed = [a for a in (argv if argv is not None else sys.argv[1:])]
     for mode in modes:
         env = dict(os.environ, TRITON_CACHE_DIR=tempfile.mkdtemp(prefix="flashbob_compile_"))
-        done = subprocess.run([sys.executable, os.path.abspath(__file__), *passed, "--child", mode], env=env,
-                              capture_output=True, text=True, check=False)
+        done = subprocess.run([sys.executable, "-m", "kernels.bench", "compile", *passed, "--child", mode],
+                              env=env, capture_output=True, text=True, check=False)
         if done.returncode != 0:
             raise SystemExit(f"mode {mode} failed (rc {done.returncode}):\n{done.stderr[-2000:]}")
         rows.append(json.loads(done.stdout.strip().splitlines()[-1]))

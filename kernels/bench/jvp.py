@@ -1,7 +1,7 @@
 """Forward mode (JVP) and the gradient through it, on one GPU, against the forward, the first
 backward and plain PyTorch's JVP, in one process.
 
-    python benchmarks/jvp.py --n 4096,8192,16384,32768,65536 --d 64,128 --out jvp_out
+    python -m kernels.bench jvp --n 4096,8192,16384,32768,65536 --d 64,128 --out jvp_out
 
 Before timing it checks once, at a small size, the JVP's output and tangent and the gradients of
 a loss on the tangent against float64 autograd through plain attention (bf16 within 2x plain
@@ -27,19 +27,29 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import sys
 
 import torch
 import torch.nn.functional as F
 
 import kernels
 from kernels import triton_ops
-from kernels.bench import peak_gib, sync_time, tflops, time_ms, visible_pairs, write_results
-from kernels.environment import commit
+from kernels.bench import (
+    Results,
+    dtype_of,
+    int_list,
+    meta,
+    peak_gib,
+    rel,
+    str_list,
+    sync_time,
+    tflops,
+    time_ms,
+    visible_pairs,
+)
 
 PRODUCTS = {"ours_forward": 2, "ours_jvp_kernel": 6, "ours_jvp": 8, "ours_backward": 7, "ours_grad_jvp": 25}
 CHECK_SIZE = (1, 2, 200, 64)  # (B, H, N, D) of the correctness check
-CHECK_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def attention(backend):
@@ -62,11 +72,6 @@ def jvp_and_grads(f, primals, tangents, weight):
     return [out, t_out, *grads]
 
 
-def rel_err(x, ref) -> float:
-    x, ref = x.detach().double(), ref.detach().double()
-    return float((x - ref).norm() / ref.norm())
-
-
 def check_correctness(device: str, dtype: torch.dtype, size=CHECK_SIZE) -> dict:
     """Relative errors of the Triton JVP and of the gradients through it against float64 plain
     attention (and, in low precision, of plain PyTorch in the same dtype). Raises if they are off."""
@@ -77,35 +82,31 @@ def check_correctness(device: str, dtype: torch.dtype, size=CHECK_SIZE) -> dict:
     want = jvp_and_grads(attention("torch"), primals, tangents, weight)
     low = [[x.to(dtype) for x in xs] for xs in (primals, tangents)]
     got = jvp_and_grads(attention("triton"), *low, weight)
-    errors = {n: rel_err(g, w) for n, g, w in zip(names, got, want)}
+    errors = {n: rel(g, w) for n, g, w in zip(names, got, want)}
     if dtype == torch.float32:
         limits = dict.fromkeys(names, 1e-4)
     else:
         plain = jvp_and_grads(attention("torch"), *low, weight)
         floor = torch.finfo(dtype).eps / 8
-        limits = {n: max(2 * rel_err(p, w), floor) for n, p, w in zip(names, plain, want)}
+        limits = {n: max(2 * rel(p, w), floor) for n, p, w in zip(names, plain, want)}
     bad = {n: (errors[n], limits[n]) for n in names if not errors[n] <= limits[n]}
     if bad:
         raise SystemExit(f"correctness check failed in {dtype} (error, limit): {bad}")
     return errors
 
 
-def run_case(args, n, d, skip: set) -> list[dict]:
+def run_case(results: Results, args, n, d, skip: set) -> None:
     b, h, dtype = args.batch, args.heads, torch.bfloat16
     pairs = visible_pairs(n, n, True, None)
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, t_q, t_k, t_v, g = (torch.randn(b, h, n, d, device="cuda", dtype=dtype, generator=gen)
                                  for _ in range(7))
     base = {"n": n, "d": d, "mask": "causal", "dtype": "bf16", "batch": b, "heads": h}
-    rows = []
 
     def record(method, ms=None, first_s=None, peak=None, status="ok"):
         products = PRODUCTS.get(method)
-        row = {**base, "method": method, "ms": ms, "first_call_s": first_s, "peak_gib": peak,
-               "status": status,
-               "tflops": tflops(products, pairs, d, b * h, ms) if (ms and products) else None}
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        results.record(**base, method=method, ms=ms, first_call_s=first_s, peak_gib=peak, status=status,
+                       tflops=tflops(products, pairs, d, b * h, ms) if (ms and products) else None)
 
     def measure(method, fn):
         first = sync_time(fn)
@@ -142,7 +143,6 @@ def run_case(args, n, d, skip: set) -> list[dict]:
             skip.add((method, d))
             record(method, status=f"error: {str(err).splitlines()[0][:80]}")
         torch.cuda.empty_cache()
-    return rows
 
 
 def markdown_table(rows: list[dict], meta: dict) -> str:
@@ -185,7 +185,8 @@ def markdown_table(rows: list[dict], meta: dict) -> str:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m kernels.bench jvp", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--n", default="4096,8192,16384,32768,65536", help="comma-separated sequence lengths")
     p.add_argument("--d", default="64,128", help="comma-separated head dims")
     p.add_argument("--batch", type=int, default=1)
@@ -196,22 +197,18 @@ def main(argv=None) -> None:
                    "(fp32 compiles its own kernels: about a minute more)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("benchmarks/jvp.py needs a CUDA GPU")
-    import triton
-
-    check = {name: max(check_correctness("cuda", CHECK_DTYPES[name]).values())
-             for name in args.check.split(",") if name}
+        raise SystemExit("python -m kernels.bench jvp needs a CUDA GPU")
+    check = {name: max(check_correctness("cuda", dtype_of(name)).values()) for name in str_list(args.check)}
     print(json.dumps({"check_max_rel_err": check}), flush=True)
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "commit": commit(), "batch": args.batch, "heads": args.heads,
-            "check": ", ".join(f"{k} {v:.1e}" for k, v in check.items()),
-            "command": "python benchmarks/jvp.py " + " ".join(os.sys.argv[1:])}
-    rows, skip = [], set()
-    for d in (int(x) for x in args.d.split(",")):
-        for n in sorted(int(x) for x in args.n.split(",")):
-            rows += run_case(args, n, d, skip)
-            write_results(rows, args.out, meta, markdown_table(rows, meta))
-    print(markdown_table(rows, meta))
+    info = meta("kernels.bench", ["jvp", *(sys.argv[1:] if argv is None else argv)], batch=args.batch,
+                heads=args.heads, check=", ".join(f"{k} {v:.1e}" for k, v in check.items()))
+    info["gpu"] = info["device"]
+    results, skip = Results(args.out, info), set()
+    for d in int_list(args.d):
+        for n in sorted(int_list(args.n)):
+            run_case(results, args, n, d, skip)
+            results.save()
+    results.finish(markdown_table(results.rows, info))
 
 
 if __name__ == "__main__":
