@@ -5,7 +5,7 @@ import csv
 import json
 
 import pytest
-from tiny_configs import TINY_TEXT, TINY_TRAINER, write_tiny_corpus
+from tiny_configs import tiny_text_run, write_tiny_corpus
 
 from recipes.neural_memory import build
 from ttt.config import load_config
@@ -13,12 +13,8 @@ from ttt.memory.diagnose import MemoryProbe, mean_cosine, probing
 from ttt.memory.diagnose import main as diagnose_main
 from ttt.train import main
 
-TINY = [
-    *TINY_TEXT,
-    "memory.hidden=16",
-    *TINY_TRAINER,
-    "trainer.precision=32-true",
-]
+TINY = ["memory.hidden=16", "trainer.precision=32-true"]
+"""On top of the shared tiny text run: a small memory, float32 (the 16k recipe autocasts to bf16)."""
 
 
 AIMED = [
@@ -36,7 +32,7 @@ def tiny(tmp_path):
     corpus = write_tiny_corpus(tmp_path / "corpus")
 
     def make(recipe: str, *extra: str) -> list[str]:
-        return [f"recipe={recipe}", f"data.corpus={corpus}", *TINY, f"run.root={tmp_path / 'runs'}", *extra]
+        return tiny_text_run(recipe, corpus, tmp_path / "runs", *TINY, *extra)
 
     return make
 
