@@ -5,7 +5,8 @@ import csv
 import json
 
 import pytest
-from tiny_configs import TINY_TEXT, TINY_TRAINER, write_tiny_corpus
+from tables import markdown_tables
+from tiny_configs import tiny_text_run, write_tiny_corpus
 
 from recipes.neural_memory import build
 from ttt.config import load_config
@@ -13,12 +14,8 @@ from ttt.memory.diagnose import MemoryProbe, mean_cosine, probing
 from ttt.memory.diagnose import main as diagnose_main
 from ttt.train import main
 
-TINY = [
-    *TINY_TEXT,
-    "memory.hidden=16",
-    *TINY_TRAINER,
-    "trainer.precision=32-true",
-]
+TINY = ["memory.hidden=16", "trainer.precision=32-true"]
+"""On top of the shared tiny text run: a small memory, float32 (the 16k recipe autocasts to bf16)."""
 
 
 AIMED = [
@@ -36,7 +33,7 @@ def tiny(tmp_path):
     corpus = write_tiny_corpus(tmp_path / "corpus")
 
     def make(recipe: str, *extra: str) -> list[str]:
-        return [f"recipe={recipe}", f"data.corpus={corpus}", *TINY, f"run.root={tmp_path / 'runs'}", *extra]
+        return tiny_text_run(recipe, corpus, tmp_path / "runs", *TINY, *extra)
 
     return make
 
@@ -104,12 +101,16 @@ def test_compare_overlays_passkey_curves(tmp_path, capsys):
             f"256,{exact},0.0,0.9,0.5\n1024,0.125,0.0,0.8,0.4\n"
         )
     assert compare([str(tmp_path / "mem"), str(tmp_path / "swa"), "--out", str(tmp_path / "cmp")]) == 0
-    table = (tmp_path / "cmp" / "passkey_compare.md").read_text()
-    assert "| curve | 256 tokens | 1024 tokens |" in table
-    assert "| mem | 0.50 | 0.12 |" in table and "| mem (no TTT) | 0.00 | 0.00 |" in table
-    assert "| swa | 0.25 | 0.12 |" in table and "swa (no TTT)" not in table
-    digits = table.split("Fraction of the key's digits right")[1]
-    assert "| mem | 0.90 | 0.80 |" in digits and "| mem (no TTT) | 0.50 | 0.40 |" in digits
+    exact, digits = markdown_tables((tmp_path / "cmp" / "passkey_compare.md").read_text())
+
+    def row(table, curve):
+        return [float(table[curve][f"{n} tokens"]) for n in (256, 1024)]
+
+    assert list(exact) == ["mem", "mem (no TTT)", "swa"], "a curve without TTT has one row"
+    assert row(exact, "mem") == pytest.approx([0.5, 0.125], abs=0.01)  # two decimals
+    assert row(exact, "mem (no TTT)") == [0, 0]
+    assert row(exact, "swa") == pytest.approx([0.25, 0.125], abs=0.01)
+    assert row(digits, "mem") == [0.9, 0.8] and row(digits, "mem (no TTT)") == [0.5, 0.4]
     assert (tmp_path / "cmp" / "passkey_compare.png").stat().st_size > 0
 
 

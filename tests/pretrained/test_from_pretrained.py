@@ -122,15 +122,9 @@ YARN_ROPE = {
 def _hf_models():
     import transformers as tf
 
-    common = {
-        "vocab_size": 64,
-        "hidden_size": 32,
-        "intermediate_size": 48,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 64,
-    }
+    shape = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads")  # fmt: skip
+    common = {**{key: LLAMA_JSON[key] for key in shape}, "max_position_embeddings": 64}
     return {
         "llama": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**common, rope_theta=1000.0, rms_norm_eps=1e-5)),
         "smollm2-tied": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**common, tie_word_embeddings=True)),

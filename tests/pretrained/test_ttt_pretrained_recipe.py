@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 from hf_checkpoints import LLAMA_JSON, hf_llama_tensors, write_checkpoint
+from tiny_configs import TINY_TEXT_DATA, TINY_TRAINER, write_tiny_corpus
 
 from recipes.ttt_pretrained import load_base_model
 from ttt.config import load_config
@@ -29,10 +30,7 @@ def checkpoint(tmp_path):
 
 @pytest.fixture
 def tiny_overrides(checkpoint, tmp_path):
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    for i in range(9):
-        (corpus / f"doc{i}.txt").write_text(f"class C{i}:\n    value = {i}\n" * (4 + i))
+    corpus = write_tiny_corpus(tmp_path / "corpus")
     arch = [f"model.architecture.{key}={value}" for key, value in ARCH.items()]
     return [
         "recipe=pretrained/smollm2_135m",
@@ -43,18 +41,8 @@ def tiny_overrides(checkpoint, tmp_path):
         "ttt.chunk_len=16",
         f"data.corpus={corpus}",
         "data.tokenizer=bytes",
-        "data.seq_len=48",
-        "data.held_out_every=3",
-        "eval.passkey_lengths=[120]",
-        "eval.passkey_trials=1",
-        "eval.position_bins=3",
-        "trainer.max_steps=2",
-        "trainer.steps_per_epoch=2",
-        "trainer.val_tasks=1",
-        "trainer.test_tasks=2",
-        "trainer.progress_bar=false",
-        "trainer.accelerator=cpu",
-        "run.tensorboard=false",
+        *TINY_TEXT_DATA,
+        *TINY_TRAINER,
         f"run.root={tmp_path / 'runs'}",
     ]
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from tiny_configs import TINY_TRAINER, write_tiny_corpus
+from tiny_configs import TINY_TEXT_DATA, TINY_TRAINER, write_tiny_corpus
 from tiny_models import VOCAB, tiny_model
 
 from ttt.inner import InnerLoopConfig
@@ -102,11 +102,7 @@ def _recipe(tmp_path, *extra):
         f"inner.params={FAST}".replace("'", ""),
         f"data.corpus={corpus}",
         "data.tokenizer=bytes",
-        "data.seq_len=48",
-        "data.held_out_every=3",
-        "eval.passkey_lengths=[120]",
-        "eval.passkey_trials=1",
-        "eval.position_bins=3",
+        *TINY_TEXT_DATA,
         *TINY_TRAINER,
         f"run.root={tmp_path / 'runs'}",
         *extra,

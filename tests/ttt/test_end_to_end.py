@@ -4,6 +4,7 @@ import json
 import math
 
 import lightning.pytorch as pl
+import lightning.pytorch.callbacks.timer as lightning_timer
 import pytest
 import torch
 
@@ -28,11 +29,37 @@ def test_tiny_recipe_run_writes_the_run_directory(recipe, tiny_overrides, tmp_pa
     assert not list(run.rglob("*.tmp"))
 
 
-def test_time_limit_stops_training_then_tests(tiny_overrides, tmp_path):
-    limited = ["trainer.max_steps=50", "trainer.steps_per_epoch=50", "trainer.max_minutes=0.0001"]
+class _MinutePerStep(pl.Callback):
+    """A clock for Lightning's Timer on which every outer step takes one minute (it advances when a
+    step starts, so the step ends at the next whole minute whatever the order of the callbacks)."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    def monotonic(self) -> float:
+        return self.seconds
+
+    def on_train_batch_start(self, *args, **kwargs):
+        self.seconds += 60.0
+
+
+def test_time_limit_stops_training_then_tests(tiny_overrides, tmp_path, monkeypatch):
+    """trainer.max_minutes stops training at the first step that ends past the limit, then the run
+    tests and writes its summary. The clock is simulated (a minute per step), so the test does not
+    depend on how fast the machine is."""
+    clock = _MinutePerStep()
+    monkeypatch.setattr(lightning_timer, "time", clock)
+
+    def timed_trainer(*args, **kwargs):
+        trainer = make_trainer(*args, **kwargs)
+        trainer.callbacks.append(clock)
+        return trainer
+
+    monkeypatch.setattr(ttt.train, "make_trainer", timed_trainer)
+    limited = ["trainer.max_steps=50", "trainer.steps_per_epoch=50", "trainer.max_minutes=2.5"]
     assert main(tiny_overrides("maml_sinusoid", "run.name=timed", *limited)) == 0
     summary = json.loads((tmp_path / "timed" / "summary.json").read_text())
-    assert 1 <= summary["outer_steps"] < 50 and "query_loss_adapted" in summary
+    assert summary["outer_steps"] == 3 and "query_loss_adapted" in summary  # step 3 ends at 3 minutes
 
 
 def test_existing_run_directory_is_not_overwritten(tiny_overrides, tmp_path):

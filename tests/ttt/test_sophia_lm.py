@@ -7,7 +7,7 @@ import json
 import lightning.pytorch as pl
 import pytest
 import torch
-from tiny_configs import write_tiny_corpus
+from tiny_configs import TINY_TRAINER, write_tiny_corpus
 
 import ttt.train
 from recipes import load_builder
@@ -40,16 +40,9 @@ def tiny_sophia_lm(tmp_path):
         "model.d_model=16",
         "model.n_heads=2",
         "optim.hessian_update_interval=3",
+        *TINY_TRAINER,
         "trainer.max_steps=4",
-        "trainer.steps_per_epoch=2",
-        "trainer.meta_batch_size=2",
-        "trainer.val_tasks=2",
-        "trainer.test_tasks=2",
-        "trainer.eval_batch_size=2",
         "trainer.log_every_n_steps=1",
-        "trainer.progress_bar=false",
-        "trainer.accelerator=cpu",
-        "run.tensorboard=false",
         f"run.root={tmp_path / 'runs'}",
     ]
 

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from tiny_configs import TINY_TEXT, TINY_TRAINER, text_data_overrides, write_tiny_corpus
+from tiny_configs import text_data_overrides, tiny_text_run, write_tiny_corpus
 
 from recipes.ttt_e2e import build_data
 from ttt.config import load_config
@@ -155,11 +155,17 @@ def test_short_steps_zero_turns_the_schedule_off(corpus):
 
 def test_a_scheduled_run_trains_and_tests_at_the_long_length(tmp_path):
     corpus = write_tiny_corpus(tmp_path / "corpus")
-    overrides = [
-        "recipe=ttt_e2e", f"data.corpus={corpus}", *TINY_TEXT, *TINY_TRAINER, f"run.root={tmp_path}",
-        "run.name=sched", "trainer.max_steps=4", "trainer.steps_per_epoch=2", "data.seq_len=64",
-        "data.short_seq_len=32", "data.short_steps=2",
-    ]  # fmt: skip
+    overrides = tiny_text_run(
+        "ttt_e2e",
+        corpus,
+        tmp_path,
+        "run.name=sched",
+        "trainer.max_steps=4",
+        "trainer.steps_per_epoch=2",
+        "data.seq_len=64",
+        "data.short_seq_len=32",
+        "data.short_steps=2",
+    )
     assert main(overrides) == 0
     summary = json.loads((tmp_path / "sched" / "summary.json").read_text())
     assert summary["outer_steps"] == 4 and np.isfinite(summary["late_loss_adapted"])
@@ -167,7 +173,7 @@ def test_a_scheduled_run_trains_and_tests_at_the_long_length(tmp_path):
 
 def test_resuming_past_the_time_limit_is_refused_before_the_run_changes(tmp_path, capsys):
     corpus = write_tiny_corpus(tmp_path / "corpus")
-    base = ["recipe=ttt_e2e", f"data.corpus={corpus}", *TINY_TEXT, *TINY_TRAINER, f"run.root={tmp_path}"]
+    base = tiny_text_run("ttt_e2e", corpus, tmp_path)
     assert main([*base, "run.name=timed", "trainer.max_minutes=10"]) == 0
     run = tmp_path / "timed"
     before = sorted(p.name for p in (run / "logs").iterdir())

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from tiny_configs import TINY_TEXT, TINY_TRAINER, text_data_overrides, write_tiny_corpus
+from tiny_configs import text_data_overrides, tiny_text_run, write_tiny_corpus
 
 from recipes.ttt_e2e import build_data
 from ttt.config import load_config
@@ -115,10 +115,9 @@ def test_bad_passkey_fractions_name_the_key(corpus):
 
 
 def test_tiny_ttt_e2e_trains_on_a_passkey_mix(corpus, tmp_path):
-    overrides = [
-        "recipe=ttt_e2e", f"data.corpus={corpus}", *TINY_TEXT, *TINY_TRAINER, f"run.root={tmp_path}",
-        "run.name=mix", f"data.seq_len={SEQ_LEN}", "data.passkey_fraction=0.5",
-    ]  # fmt: skip
+    overrides = tiny_text_run(
+        "ttt_e2e", corpus, tmp_path, "run.name=mix", f"data.seq_len={SEQ_LEN}", "data.passkey_fraction=0.5"
+    )
     assert main(overrides) == 0
     summary = json.loads((tmp_path / "mix" / "summary.json").read_text())
     assert summary["outer_steps"] == 2 and np.isfinite(summary["query_loss_adapted"])
@@ -181,11 +180,15 @@ def test_bad_answer_weights_name_the_key(corpus):
 
 
 def test_tiny_ttt_e2e_trains_with_weighted_answers(corpus, tmp_path):
-    overrides = [
-        "recipe=ttt_e2e", f"data.corpus={corpus}", *TINY_TEXT, *TINY_TRAINER, f"run.root={tmp_path}",
-        "run.name=weighted", f"data.seq_len={SEQ_LEN}", "data.passkey_fraction=0.5",
+    overrides = tiny_text_run(
+        "ttt_e2e",
+        corpus,
+        tmp_path,
+        "run.name=weighted",
+        f"data.seq_len={SEQ_LEN}",
+        "data.passkey_fraction=0.5",
         "data.passkey_answer_weight=100",
-    ]  # fmt: skip
+    )
     assert main(overrides) == 0
     summary = json.loads((tmp_path / "weighted" / "summary.json").read_text())
     assert summary["outer_steps"] == 2 and np.isfinite(summary["query_loss_adapted"])

@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from tables import markdown_tables
 
 from ttt.text.corpus import TextDataConfig, TokenWindows, corpus_files, load_documents, split_windows
 from ttt.text.long_context import LongContextEvalConfig, bin_positions, passkey_accuracy, window_ids
@@ -179,9 +180,11 @@ def test_compare_overlays_runs(tmp_path, capsys):
             json.dumps({"adapted": rows, "unadapted": unadapted})
         )
     assert main([str(tmp_path / "ttt"), str(tmp_path / "base"), "--out", str(tmp_path / "cmp")]) == 0
-    table = (tmp_path / "cmp" / "loss_by_position_compare.md").read_text()
-    assert "| ttt (no TTT) | 2.0000 | 1.8000 |" in table and "| base | 2.0000 | 1.5000 |" in table
-    assert "base (no TTT)" not in table and (tmp_path / "cmp" / "loss_by_position_compare.png").is_file()
+    (table,) = markdown_tables((tmp_path / "cmp" / "loss_by_position_compare.md").read_text())
+    assert list(table) == ["ttt", "ttt (no TTT)", "base"], "a run without TTT has one curve"
+    assert [float(table["ttt (no TTT)"][b]) for b in ("0-4", "4-8")] == [2.0, 1.8]
+    assert [float(table["base"][b]) for b in ("0-4", "4-8")] == [2.0, 1.5]
+    assert (tmp_path / "cmp" / "loss_by_position_compare.png").is_file()
     assert main([str(tmp_path / "missing"), "--out", str(tmp_path / "cmp")]) == 2
     assert "no loss_by_position.json" in capsys.readouterr().err
 
@@ -213,15 +216,20 @@ def test_compare_pairs_late_losses_window_by_window(tmp_path, capsys):
     _write_window_run(tmp_path / "other", {"a": 1.0, "d": 2.0, "c": 3.0})
     runs = [str(tmp_path / name) for name in ("full", "ttt", "other")]
     assert main([*runs, "--out", str(tmp_path / "cmp")]) == 0
-    table = (tmp_path / "cmp" / "late_loss_paired.md").read_text()
-    assert "against full (3 windows)" in table and "| full | 2.0000 | | | |" in table
+    text = (tmp_path / "cmp" / "late_loss_paired.md").read_text()
+    assert text in capsys.readouterr().out
+    (table,) = markdown_tables(text)
+    assert float(table["full"]["late loss"]) == 2.0 and table["full"]["minus full"] == ""
     # differences -0.5, -0.5, +0.5: mean -1/6, standard error std(ddof=1) / sqrt(3) = (1/sqrt(3)) / sqrt(3)
-    assert "| ttt | 1.8333 | -0.1667 | 0.3333 | 2 of 3 |" in table
-    assert "| ttt (no TTT) | 2.0000 | +0.0000 | 0.0000 | 0 of 3 |" in table
-    assert "| other | 2.0000 | other test windows: not paired | | |" in table
-    assert table in capsys.readouterr().out
+    ttt = table["ttt"]
+    assert float(ttt["late loss"]) == pytest.approx(11 / 6, abs=1e-4)
+    assert float(ttt["minus full"]) == pytest.approx(-1 / 6, abs=1e-4)
+    assert float(ttt["standard error"]) == pytest.approx(1 / 3, abs=1e-4) and ttt["windows lower"] == "2 of 3"
+    no_ttt = table["ttt (no TTT)"]
+    assert float(no_ttt["minus full"]) == 0 and no_ttt["windows lower"] == "0 of 3"
+    assert "not paired" in table["other"]["minus full"], "runs read on other test windows are not paired"
     assert not (tmp_path / "cmp" / "runs_compare.md").exists(), "no run has a summary.json"
-    # Runs from before the file was written compare as before, without the paired table.
+    # A run directory without late_loss_by_window.csv compares without the paired table.
     (tmp_path / "full" / "late_loss_by_window.csv").unlink()
     assert main([runs[0], "--out", str(tmp_path / "old")]) == 0
     assert not (tmp_path / "old" / "late_loss_paired.md").exists()
@@ -247,9 +255,16 @@ def test_compare_tabulates_the_runs_summaries(tmp_path):
         _write_window_run(tmp_path / name, {"a": 1.0})
         (tmp_path / name / "summary.json").write_text(json.dumps(summary))
     assert main([str(tmp_path / "full"), str(tmp_path / "ttt"), "--out", str(tmp_path / "cmp")]) == 0
-    table = (tmp_path / "cmp" / "runs_compare.md").read_text()
-    assert "| full | 10 | 12 | 1.3 | 2.000 | - | 128 | 0.250 | 0.750 |" in table
-    assert "| ttt | 10 | - | - | 1.500 | 1.800 | - | - | - |" in table
+    (table,) = markdown_tables((tmp_path / "cmp" / "runs_compare.md").read_text())
+    full, ttt = table["full"], table["ttt"]
+    assert int(full["outer steps"]) == 10 and float(full["training time (s)"]) == pytest.approx(12.4, abs=0.5)
+    assert float(full["peak memory (GiB)"]) == 1.3 and float(full["late loss"]) == 2.0
+    assert full["without TTT"] == "-", "a run without TTT has one late loss"
+    # the passkey columns take the longest length tested
+    assert int(full["passkey length"]) == 128
+    assert float(full["passkey exact"]) == 0.25 and float(full["key digits"]) == 0.75
+    assert float(ttt["late loss"]) == 1.5 and float(ttt["without TTT"]) == 1.8
+    assert [ttt[key] for key in ("training time (s)", "peak memory (GiB)", "passkey length")] == ["-"] * 3
 
 
 def test_compare_plots_validation_against_steps_and_training_time(tmp_path):

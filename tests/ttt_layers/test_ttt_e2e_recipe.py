@@ -6,7 +6,7 @@ import json
 
 import pytest
 import yaml
-from tiny_configs import TINY_TEXT, TINY_TRAINER, write_tiny_corpus
+from tiny_configs import tiny_text_run, write_tiny_corpus
 
 from ttt.config import load_config
 from ttt.train import main
@@ -15,8 +15,7 @@ from ttt.train import main
 @pytest.fixture
 def tiny_ttt_e2e(tmp_path):
     corpus = write_tiny_corpus(tmp_path / "corpus")
-    runs = tmp_path / "runs"
-    return ["recipe=ttt_e2e", f"data.corpus={corpus}", *TINY_TEXT, *TINY_TRAINER, f"run.root={runs}"]
+    return tiny_text_run("ttt_e2e", corpus, tmp_path / "runs")
 
 
 def test_tiny_ttt_e2e_run_writes_long_context_figures(tiny_ttt_e2e, tmp_path):

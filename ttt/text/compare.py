@@ -66,7 +66,7 @@ def load_passkey(run_dir: Path, measure: str = "exact") -> dict[str, list[tuple[
 
 def load_window_losses(run_dir: Path) -> dict[str, dict[str, float]]:
     """Curve label (as in `load_curves`) -> {test window id: late loss} of one run; empty when the run
-    has no late_loss_by_window.csv (runs from before it was written)."""
+    has no late_loss_by_window.csv (a run directory may lack it: the pairing is then left out)."""
     path = run_dir / "late_loss_by_window.csv"
     if not path.is_file():
         return {}
