@@ -129,7 +129,7 @@ def test_memory_options_leave_losses_and_second_order_gradients_unchanged(
         fused_loss=False, checkpoint_prefix=False, checkpoint=False, checkpoint_segment=0, tie=tie
     )
     checkpoint, segment = chunk_checkpoint
-    model = make_ttt(
+    options = dict(
         fused_loss=fused_loss,
         checkpoint_prefix=checkpoint_prefix,
         checkpoint=checkpoint,
@@ -137,19 +137,12 @@ def test_memory_options_leave_losses_and_second_order_gradients_unchanged(
         tie=tie,
     )
     want_losses, want_grads = losses_and_grads(plain, tokens)
-    got_losses, got_grads = losses_and_grads(model, tokens)
+    got_losses, got_grads = losses_and_grads(make_ttt(**options), tokens)
     torch.testing.assert_close(got_losses, want_losses, rtol=1e-12, atol=1e-12)
     for got, want in zip(got_grads, want_grads):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
     # the second-order term is in the comparison: first order gives other gradients
-    first = make_ttt(
-        fused_loss=fused_loss,
-        checkpoint_prefix=checkpoint_prefix,
-        checkpoint=checkpoint,
-        checkpoint_segment=segment,
-        tie=tie,
-        first_order=True,
-    )
+    first = make_ttt(**options, first_order=True)
     assert any(not torch.allclose(g, w) for g, w in zip(losses_and_grads(first, tokens)[1], want_grads))
 
 
