@@ -13,7 +13,8 @@ def test_out_of_memory_names_the_recipes_memory_keys(monkeypatch, capsys):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 96.00 MiB.")
 
     monkeypatch.setattr(train, "run", run_out)
-    status = train.main(["recipe=ttt_e2e_125m", "ttt.fused_loss=false", "inner.checkpoint=false"])
+    overrides = ["ttt.fused_loss=false", "inner.checkpoint=false", "ttt.checkpoint_prefix=false"]
+    status = train.main(["recipe=ttt_e2e_125m", *overrides])
     err = capsys.readouterr().err
     assert status == train.OUT_OF_MEMORY == 4
     assert "Tried to allocate 96.00 MiB" in err
