@@ -24,6 +24,7 @@ import yaml
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -39,7 +40,10 @@ from ttt.tracking import (
     LogStepAlignment,
     LossSpikeWatch,
     OuterStepTimer,
+    Preempted,
+    PreemptionSignals,
     RunPaths,
+    StepBoundaryCheckpoint,
     atomic_write_text,
     check_resumable,
     format_summary_table,
@@ -191,12 +195,17 @@ def check_time_left(cfg: RecipeConfig, trained: float | None) -> None:
 
 
 def make_trainer(
-    cfg: RecipeConfig, paths: RunPaths, timer: OuterStepTimer, spikes: LossSpikeWatch | None = None
+    cfg: RecipeConfig,
+    paths: RunPaths,
+    timer: OuterStepTimer,
+    spikes: LossSpikeWatch | None = None,
+    signals: PreemptionSignals | None = None,
 ) -> pl.Trainer:
     """The Lightning Trainer of a run: epochs of trainer.steps_per_epoch outer steps, validation and
-    an atomic last.ckpt after each epoch, CSV (and TensorBoard) logs in the run directory. With
+    an atomic last.ckpt after each epoch (and at outer-step boundaries on a preemption signal or every
+    trainer.checkpoint_every_minutes), CSV (and TensorBoard) logs in the run directory. With
     several devices, Lightning's DDP strategy (gloo on CPU, NCCL on GPUs). spikes: the run's
-    loss-spike watch (a new one if None)."""
+    loss-spike watch (a new one if None); signals: the run's preemption signals (new ones if None)."""
     tc = cfg.trainer
     strategy = "auto"
     if tc.strategy == "ddp" or tc.devices > 1:
@@ -204,6 +213,7 @@ def make_trainer(
     # One log version per session (logs/version_0, version_1 after a resume, ...): a logger reusing a
     # directory would delete the earlier metrics.
     loggers = [CSVLogger(save_dir=paths.root, name="logs")]
+    guard = DivergenceGuard(paths.last_checkpoint, cfg.inner_step_keys)
     if cfg.run.tensorboard and importlib.util.find_spec("tensorboard") is not None:
         loggers.append(TensorBoardLogger(save_dir=paths.root, name="tensorboard"))
     return pl.Trainer(
@@ -218,13 +228,20 @@ def make_trainer(
         precision=tc.precision,
         inference_mode=False,
         logger=loggers,
-        # The guard runs before the checkpoint callback: a diverged epoch end raises before it is saved.
+        # The guard runs before the checkpoint callbacks: a diverged epoch end raises before it is saved.
+        # StepBoundaryCheckpoint comes last: it saves the state every other callback has updated.
         callbacks=[
-            DivergenceGuard(paths.last_checkpoint, cfg.inner_step_keys),
+            guard,
             spikes if spikes is not None else LossSpikeWatch(inner_keys=cfg.inner_step_keys),
             EpochEndCheckpoint(paths.last_checkpoint),
             LogStepAlignment(),
             timer,
+            StepBoundaryCheckpoint(
+                paths,
+                signals if signals is not None else PreemptionSignals(),
+                tc.checkpoint_every_minutes,
+                guard,
+            ),
         ],
         detect_anomaly=tc.detect_anomaly,
         enable_checkpointing=False,
@@ -267,19 +284,22 @@ def run(
         paths = run_paths(cfg)
     if rank_zero_only.rank == 0:
         atomic_write_text(paths.config, to_yaml(cfg))
+        paths.preempted.unlink(missing_ok=True)  # this session continues the preempted one
     timer = OuterStepTimer()
     spikes = LossSpikeWatch(inner_keys=cfg.inner_step_keys)
-    trainer = make_trainer(cfg, paths, timer, spikes)
-    # config.yaml holds the latest session's config; each session's own goes beside its metrics
-    # (logs/version_N/hparams.yaml), so a run resumed with other keys (a short-then-long context
-    # schedule) keeps its history.
-    trainer.loggers[0].log_hyperparams(to_dict(cfg))
-    # Lightning restores a checkpoint before it casts the module to the precision's dtype: cast first,
-    # or a float64 run would resume from float32-rounded parameters.
-    module = trainer.strategy.precision_plugin.convert_module(module)
-    trainer.fit(module, datamodule=data, ckpt_path=checkpoint)
-    if cfg.trainer.test_tasks:
-        trainer.test(module, datamodule=data, verbose=False)
+    # Ours from here on: Lightning installs its own at each stage's start, StepBoundaryCheckpoint re-installs.
+    with PreemptionSignals() as signals:
+        trainer = make_trainer(cfg, paths, timer, spikes, signals)
+        # config.yaml holds the latest session's config; each session's own goes beside its metrics
+        # (logs/version_N/hparams.yaml), so a run resumed with other keys (a short-then-long context
+        # schedule) keeps its history.
+        trainer.loggers[0].log_hyperparams(to_dict(cfg))
+        # Lightning restores a checkpoint before it casts the module to the precision's dtype: cast first,
+        # or a float64 run would resume from float32-rounded parameters.
+        module = trainer.strategy.precision_plugin.convert_module(module)
+        trainer.fit(module, datamodule=data, ckpt_path=checkpoint)
+        if cfg.trainer.test_tasks:
+            trainer.test(module, datamodule=data, verbose=False)
     summary: dict[str, Any] = {
         key.removeprefix("test/"): float(value)
         for key, value in trainer.callback_metrics.items()
@@ -305,6 +325,9 @@ def run(
 
 DIVERGED = 3
 """Exit status of a run stopped by a non-finite loss (2: bad command line or config)."""
+PREEMPTED = 75
+"""Exit status of a run stopped by SIGTERM or SIGUSR1 after writing its checkpoint (75 is EX_TEMPFAIL of
+sysexits.h: a temporary failure, to be retried); resume=RUN continues it."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -330,6 +353,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     # Synthetic tasks are generated in microseconds: extra loader workers would not help.
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    # The training stream is indexed by the outer step (StepAlignedSampler): a run resumed from a checkpoint
+    # written within an epoch reads what the uninterrupted run would have, which Lightning cannot know.
+    warnings.filterwarnings(
+        "ignore", message=".*resuming from a checkpoint that ended before the epoch ended.*"
+    )
     try:
         summary = run(cfg, paths=paths, checkpoint=checkpoint)
     except (ConfigError, FileExistsError, CheckpointError) as err:
@@ -338,6 +366,17 @@ def main(argv: list[str] | None = None) -> int:
     except DivergenceError as err:
         print(f"error: {err}", file=sys.stderr)
         return DIVERGED
+    except Preempted as err:
+        if rank_zero_only.rank == 0:
+            print(str(err), file=sys.stderr)
+        return PREEMPTED
+    except SIGTERMException:  # Lightning's own handler, in the moment before a stage installs ours
+        if rank_zero_only.rank == 0:
+            print(
+                "preempted by SIGTERM before training started; the run's checkpoint (if any) is as it was",
+                file=sys.stderr,
+            )
+        return PREEMPTED
     except RuntimeError as err:
         if UNUSED_PARAMETERS_ERROR not in str(err):
             raise

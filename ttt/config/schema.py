@@ -142,6 +142,9 @@ class TrainerConfig:
     restores the minutes trained so far. null: no time limit."""
     steps_per_epoch: int = 100
     """Outer steps between validations and checkpoints (one epoch); capped at max_steps."""
+    checkpoint_every_minutes: float | None = None
+    """Also write the run's checkpoint (last.ckpt) at the first outer-step boundary after this many minutes
+    since the last one, within epochs; null: only at epoch ends (and on SIGTERM / SIGUSR1, always)."""
     meta_batch_size: int = 8
     """Tasks per outer step and device (N devices: N x meta_batch_size tasks per outer step)."""
     val_tasks: int = 32
@@ -176,6 +179,10 @@ class TrainerConfig:
                 raise ValueError(f"trainer.{name} must be a positive int, got {getattr(self, name)}")
         if self.max_minutes is not None and self.max_minutes <= 0:
             raise ValueError(f"trainer.max_minutes must be > 0 or null, got {self.max_minutes}")
+        if self.checkpoint_every_minutes is not None and not self.checkpoint_every_minutes > 0:
+            raise ValueError(
+                f"trainer.checkpoint_every_minutes must be > 0 or null, got {self.checkpoint_every_minutes}"
+            )
         for name in ("val_tasks", "test_tasks", "num_workers"):
             if getattr(self, name) < 0:
                 raise ValueError(f"trainer.{name} must be >= 0, got {getattr(self, name)}")
