@@ -22,6 +22,7 @@ import lightning.pytorch as pl
 import torch
 import yaml
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.plugins import DoublePrecision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -31,6 +32,7 @@ from omegaconf.errors import OmegaConfBaseException
 from ttt.config import ConfigError, RecipeConfig, available_recipes, load_config, to_dict, to_yaml
 from ttt.config.keys import format_config_keys
 from ttt.config.loading import recipe_header
+from ttt.meta.sharding import SecondOrderFSDPStrategy
 from ttt.tracking import (
     AtomicCheckpointIO,
     CheckpointError,
@@ -143,17 +145,21 @@ strategy starts for the other devices (they re-run the same command) which run d
 
 def run_paths(cfg: RecipeConfig) -> RunPaths:
     """The run directory of a new run: created by the launching process (global rank 0), found through
-    RUN_DIR_ENV by the other processes of a ddp run."""
+    RUN_DIR_ENV by the other processes that Lightning started, or by its name (run.name) in processes that
+    torchrun or SLURM started (every one of them runs the command itself)."""
     if rank_zero_only.rank == 0:
         paths = new_run_dir(cfg.run.root, cfg.run.name, cfg.recipe)
         os.environ[RUN_DIR_ENV] = str(paths.root)
         return paths
-    if RUN_DIR_ENV not in os.environ:
-        raise RuntimeError(
-            f"process of global rank {rank_zero_only.rank} has no {RUN_DIR_ENV}: start several devices "
-            "with trainer.devices=N (Lightning launches the other processes), not one command per process"
+    if RUN_DIR_ENV in os.environ:
+        return RunPaths(Path(os.environ[RUN_DIR_ENV]))
+    if cfg.run.name is None:
+        raise ConfigError(
+            f"process of global rank {rank_zero_only.rank} cannot tell which run directory rank 0 created: "
+            "processes started by torchrun or SLURM (one command per process) need run.name=NAME; on one "
+            "machine, trainer.devices=N alone starts the other processes"
         )
-    return RunPaths(Path(os.environ[RUN_DIR_ENV]))
+    return RunPaths(Path(cfg.run.root) / cfg.run.name)
 
 
 UNUSED_PARAMETERS_ERROR = "parameters that were not used in producing the loss"
@@ -182,6 +188,28 @@ def check_accelerator(cfg: RecipeConfig) -> None:
         )
 
 
+HESSIAN_OPTIMIZERS_UNDER_FSDP = (
+    "optim.name={name} is not supported with trainer.strategy=fsdp: the Hessian optimizers estimate the "
+    "Hessian diagonal through the whole model after the outer backward and update whole parameters, while "
+    "fsdp keeps the parameters and their optimizer state as shards outside each pass; use "
+    "trainer.strategy=ddp"
+)
+FP16_UNDER_FSDP = (
+    "trainer.precision=16-mixed is not supported with trainer.strategy=fsdp: Lightning's "
+    "ModelParallelStrategy has no loss scaling over sharded gradients; use trainer.precision=bf16-mixed"
+)
+
+
+def check_strategy(cfg: RecipeConfig) -> None:
+    """Raise ConfigError for what trainer.strategy=fsdp cannot run (before the run directory exists)."""
+    if cfg.trainer.strategy != "fsdp":
+        return
+    if cfg.optim.name in ("sophia_h", "adahessian"):
+        raise ConfigError(HESSIAN_OPTIMIZERS_UNDER_FSDP.format(name=cfg.optim.name))
+    if cfg.trainer.precision == "16-mixed":
+        raise ConfigError(FP16_UNDER_FSDP)
+
+
 def check_time_left(cfg: RecipeConfig, trained: float | None) -> None:
     """Raise ConfigError when a resumed run (`trained` minutes counted by its time limit, None if it had
     none) would stop at once: trainer.max_minutes counts the whole run, not this session."""
@@ -207,8 +235,14 @@ def make_trainer(
     several devices, Lightning's DDP strategy (gloo on CPU, NCCL on GPUs). spikes: the run's
     loss-spike watch (a new one if None); signals: the run's preemption signals (new ones if None)."""
     tc = cfg.trainer
-    strategy = "auto"
-    if tc.strategy == "ddp" or tc.devices > 1:
+    strategy, precision, plugins = "auto", tc.precision, [AtomicCheckpointIO()]
+    if tc.strategy == "fsdp":
+        strategy = SecondOrderFSDPStrategy(tc.world_size, cpu_offload=tc.fsdp_cpu_offload)
+        if precision in ("64-true", "64"):
+            # Lightning refuses the flag with ModelParallelStrategy (fully_shard has no float64 path); ours
+            # shards float64 tensors like any other, so the plugin is given instead of the flag.
+            precision, plugins = None, [*plugins, DoublePrecision()]
+    elif tc.strategy == "ddp" or tc.world_size > 1:
         strategy = DDPStrategy(find_unused_parameters=tc.find_unused_parameters)
     # One log version per session (logs/version_0, version_1 after a resume, ...): a logger reusing a
     # directory would delete the earlier metrics.
@@ -222,10 +256,11 @@ def make_trainer(
         max_epochs=-1,
         accelerator=tc.accelerator,
         devices=tc.devices,
+        num_nodes=tc.num_nodes,
         strategy=strategy,
         # The data modules give each process its own tasks (StepAlignedSampler, process_share).
         use_distributed_sampler=False,
-        precision=tc.precision,
+        precision=precision,
         inference_mode=False,
         logger=loggers,
         # The guard runs before the checkpoint callbacks: a diverged epoch end raises before it is saved.
@@ -245,7 +280,7 @@ def make_trainer(
         ],
         detect_anomaly=tc.detect_anomaly,
         enable_checkpointing=False,
-        plugins=[AtomicCheckpointIO()],
+        plugins=plugins,
         log_every_n_steps=tc.log_every_n_steps,
         enable_progress_bar=tc.progress_bar and sys.stdout.isatty(),
         num_sanity_val_steps=0,
@@ -270,6 +305,7 @@ def run(
 
     start = time.perf_counter()
     check_accelerator(cfg)
+    check_strategy(cfg)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     try:
         module, data = load_builder(cfg.builder).build(cfg)
