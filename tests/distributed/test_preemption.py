@@ -2,8 +2,8 @@
 next outer-step boundary and exits with status 75, its run directory saying so in preempted.json; resumed,
 it reaches exactly the state of the uninterrupted run (parameters, Adam's moments, the schedule, the logged
 losses of every step). Kill points are outer steps drawn at random (seeded, so a failure replays), an
-epoch's validation and the final test; one process, and 2 ddp processes (gloo) with the signal sent to
-rank 1 only. Every run is a subprocess of maml_sinusoid at toy size (about 7 s each, 15 s under ddp)."""
+epoch's validation and the final test; one process, and 2 processes (gloo, ddp and fsdp) with the signal
+sent to rank 1 only. Each run is a subprocess of maml_sinusoid at toy size (7 s, 25 s with 2 processes)."""
 
 import json
 import os
@@ -41,7 +41,6 @@ SIX_STEPS = [
     "optim.warmup_steps=2",
 ]
 """Two epochs of three outer steps; AdamW (whose moments must survive) on a warm-up-then-cosine schedule."""
-DDP = ["trainer.strategy=ddp", "trainer.devices=2"]
 KILL_STEPS = random.Random(30).sample(range(6), 2)
 """Completed outer steps at which the signal arrives (the step after them is then in progress)."""
 
@@ -147,11 +146,14 @@ def test_sigterm_during_the_final_test_resumes_to_the_test(uninterrupted, tmp_pa
     assert summaries[0]["query_loss_adapted"] == summaries[1]["query_loss_adapted"]
 
 
-def test_ddp_processes_stop_together_when_one_of_them_gets_the_signal(uninterrupted, tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_processes_stop_together_when_one_of_them_gets_the_signal(strategy, uninterrupted, tmp_path):
+    """2 processes, the signal to rank 1 only; under fsdp the checkpoint is gathered from the shards."""
     step = KILL_STEPS[0]
-    run, record, _ = preempt_and_resume(tmp_path, "step", step, rank=1, extra=DDP)
+    two = (f"trainer.strategy={strategy}", "trainer.devices=2")
+    run, record, _ = preempt_and_resume(tmp_path, "step", step, rank=1, extra=two)
     assert record["outer_step"] == step + 1
-    assert_same_training(run, uninterrupted(*DDP))
+    assert_same_training(run, uninterrupted(*two))
 
 
 class _Crash(Exception):
