@@ -65,7 +65,9 @@ Meta-trains recipe NAME (configs/NAME.yaml), evaluates it on held-out tasks, pri
 table and writes the run directory <run.root>/<run.name>/ (config.yaml, logs/, checkpoints/,
 summary.json, training_curves.png, test_adapted_vs_unadapted.png). A NaN or infinite loss stops
 the run (exit status 3) with the step, the loss and the keys to look at; the last good checkpoint
-is kept.
+is kept. SIGTERM or SIGUSR1 (preemption) makes it write its checkpoint at the next outer step, mark
+the run directory (preempted.json) and exit with status 75; resume= continues it. Several devices,
+nodes, fsdp and preemption: docs/distributed.md.
 
 Overrides are OmegaConf dotlist items, applied on top of the recipe's YAML, e.g.
     trainer.max_steps=50  model.attention=eager  inner.params=[layers.1.mlp.*]  run.name=try1
@@ -191,7 +193,7 @@ def check_accelerator(cfg: RecipeConfig) -> None:
 HESSIAN_OPTIMIZERS_UNDER_FSDP = (
     "optim.name={name} is not supported with trainer.strategy=fsdp: the Hessian optimizers estimate the "
     "Hessian diagonal through the whole model after the outer backward and update whole parameters, while "
-    "fsdp keeps the parameters and their optimizer state as shards outside each pass; use "
+    "fsdp keeps the parameters and their optimizer state as shards outside each outer step; use "
     "trainer.strategy=ddp"
 )
 FP16_UNDER_FSDP = (
