@@ -41,6 +41,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.utilities.device_dtype_mixin import _update_properties
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
@@ -100,9 +101,9 @@ class SecondOrderFSDPStrategy(ModelParallelStrategy):
 
 def shard_parameters(module: nn.Module, mesh, *, offload: bool = False) -> None:
     """Replace every parameter of `module` that is not a DTensor yet by one sharded along dim 0 over the
-    1-D `mesh` (0-dim parameters replicated). Each process takes its own share of its own copy: every
-    process built the same model from the same seed, so no data moves. A parameter shared by several
-    modules (tied embeddings) stays shared. offload: the local shards in CPU memory."""
+    1-D `mesh` (0-dim parameters replicated), scattered from rank 0's values (as DDP broadcasts rank 0's
+    parameters). A parameter shared by several modules (tied embeddings) stays shared. offload: the local
+    shards in CPU memory."""
     replaced: dict[int, nn.Parameter] = {}
     for submodule in module.modules():
         for name, param in list(submodule._parameters.items()):
@@ -110,7 +111,7 @@ def shard_parameters(module: nn.Module, mesh, *, offload: bool = False) -> None:
                 continue
             if id(param) not in replaced:
                 placements = [Shard(0)] if param.dim() else [Replicate()]
-                sharded = distribute_tensor(param.detach(), mesh, placements, src_data_rank=None)
+                sharded = distribute_tensor(param.detach(), mesh, placements)
                 if offload:
                     sharded = DTensor.from_local(
                         sharded.to_local().cpu(),
@@ -194,3 +195,28 @@ def gathered_parameters(
     finally:
         for submodule, name, param in slots:
             submodule._parameters[name] = param
+
+
+def clip_sharded_gradients(params: list[torch.Tensor], max_norm: float, device: torch.device) -> None:
+    """Scale the gradients of `params` (DTensor shards, as `shard_parameters` makes them) so that their global
+    L2 norm is at most `max_norm`, as torch.nn.utils.clip_grad_norm_ does for whole tensors. The squared
+    norms of the local shards are summed over the processes on `device` (with CPU offload the shards are in
+    CPU memory, where NCCL does not reach); replicated gradients count once."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    sharded = torch.zeros((), dtype=torch.float64, device=device)
+    replicated = torch.zeros((), dtype=torch.float64, device=device)
+    for grad in grads:
+        square = grad.to_local().double().square().sum().to(device)
+        if all(isinstance(placement, Replicate) for placement in grad.placements):
+            replicated += square
+        else:
+            sharded += square
+    mesh = grads[0].device_mesh
+    if mesh.size() > 1:
+        dist.all_reduce(sharded, group=mesh.get_group())
+    coef = (max_norm / ((sharded + replicated).sqrt() + 1e-6)).clamp(max=1.0)
+    for grad in grads:
+        local = grad.to_local()
+        local.mul_(coef.to(local.device, local.dtype))
