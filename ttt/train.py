@@ -22,14 +22,17 @@ import lightning.pytorch as pl
 import torch
 import yaml
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.plugins import DoublePrecision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ttt.config import ConfigError, RecipeConfig, available_recipes, load_config, to_dict, to_yaml
 from ttt.config.keys import format_config_keys
 from ttt.config.loading import recipe_header
+from ttt.meta.sharding import SecondOrderFSDPStrategy
 from ttt.tracking import (
     AtomicCheckpointIO,
     CheckpointError,
@@ -39,7 +42,10 @@ from ttt.tracking import (
     LogStepAlignment,
     LossSpikeWatch,
     OuterStepTimer,
+    Preempted,
+    PreemptionSignals,
     RunPaths,
+    StepBoundaryCheckpoint,
     atomic_write_text,
     check_resumable,
     format_summary_table,
@@ -60,7 +66,9 @@ Meta-trains recipe NAME (configs/NAME.yaml), evaluates it on held-out tasks, pri
 table and writes the run directory <run.root>/<run.name>/ (config.yaml, logs/, checkpoints/,
 summary.json, training_curves.png, test_adapted_vs_unadapted.png). A NaN or infinite loss stops
 the run (exit status 3) with the step, the loss and the keys to look at; the last good checkpoint
-is kept.
+is kept. SIGTERM or SIGUSR1 (preemption) makes it write its checkpoint at the next outer step, mark
+the run directory (preempted.json) and exit with status 75; resume= continues it. Several devices,
+nodes, fsdp and preemption: docs/distributed.md.
 
 Overrides are OmegaConf dotlist items, applied on top of the recipe's YAML, e.g.
     trainer.max_steps=50  model.attention=eager  inner.params=[layers.1.mlp.*]  run.name=try1
@@ -140,17 +148,21 @@ strategy starts for the other devices (they re-run the same command) which run d
 
 def run_paths(cfg: RecipeConfig) -> RunPaths:
     """The run directory of a new run: created by the launching process (global rank 0), found through
-    RUN_DIR_ENV by the other processes of a ddp run."""
+    RUN_DIR_ENV by the other processes that Lightning started, or by its name (run.name) in processes that
+    torchrun or SLURM started (every one of them runs the command itself)."""
     if rank_zero_only.rank == 0:
         paths = new_run_dir(cfg.run.root, cfg.run.name, cfg.recipe)
         os.environ[RUN_DIR_ENV] = str(paths.root)
         return paths
-    if RUN_DIR_ENV not in os.environ:
-        raise RuntimeError(
-            f"process of global rank {rank_zero_only.rank} has no {RUN_DIR_ENV}: start several devices "
-            "with trainer.devices=N (Lightning launches the other processes), not one command per process"
+    if RUN_DIR_ENV in os.environ:
+        return RunPaths(Path(os.environ[RUN_DIR_ENV]))
+    if cfg.run.name is None:
+        raise ConfigError(
+            f"process of global rank {rank_zero_only.rank} cannot tell which run directory rank 0 created: "
+            "processes started by torchrun or SLURM (one command per process) need run.name=NAME; on one "
+            "machine, trainer.devices=N alone starts the other processes"
         )
-    return RunPaths(Path(os.environ[RUN_DIR_ENV]))
+    return RunPaths(Path(cfg.run.root) / cfg.run.name)
 
 
 UNUSED_PARAMETERS_ERROR = "parameters that were not used in producing the loss"
@@ -179,6 +191,28 @@ def check_accelerator(cfg: RecipeConfig) -> None:
         )
 
 
+HESSIAN_OPTIMIZERS_UNDER_FSDP = (
+    "optim.name={name} is not supported with trainer.strategy=fsdp: the Hessian optimizers estimate the "
+    "Hessian diagonal through the whole model after the outer backward and update whole parameters, while "
+    "fsdp keeps the parameters and their optimizer state as shards outside each outer step; use "
+    "trainer.strategy=ddp"
+)
+FP16_UNDER_FSDP = (
+    "trainer.precision=16-mixed is not supported with trainer.strategy=fsdp: Lightning's "
+    "ModelParallelStrategy has no loss scaling over sharded gradients; use trainer.precision=bf16-mixed"
+)
+
+
+def check_strategy(cfg: RecipeConfig) -> None:
+    """Raise ConfigError for what trainer.strategy=fsdp cannot run (before the run directory exists)."""
+    if cfg.trainer.strategy != "fsdp":
+        return
+    if cfg.optim.name in ("sophia_h", "adahessian"):
+        raise ConfigError(HESSIAN_OPTIMIZERS_UNDER_FSDP.format(name=cfg.optim.name))
+    if cfg.trainer.precision == "16-mixed":
+        raise ConfigError(FP16_UNDER_FSDP)
+
+
 def check_time_left(cfg: RecipeConfig, trained: float | None) -> None:
     """Raise ConfigError when a resumed run (`trained` minutes counted by its time limit, None if it had
     none) would stop at once: trainer.max_minutes counts the whole run, not this session."""
@@ -192,19 +226,31 @@ def check_time_left(cfg: RecipeConfig, trained: float | None) -> None:
 
 
 def make_trainer(
-    cfg: RecipeConfig, paths: RunPaths, timer: OuterStepTimer, spikes: LossSpikeWatch | None = None
+    cfg: RecipeConfig,
+    paths: RunPaths,
+    timer: OuterStepTimer,
+    spikes: LossSpikeWatch | None = None,
+    signals: PreemptionSignals | None = None,
 ) -> pl.Trainer:
     """The Lightning Trainer of a run: epochs of trainer.steps_per_epoch outer steps, validation and
-    an atomic last.ckpt after each epoch, CSV (and TensorBoard) logs in the run directory. With
+    an atomic last.ckpt after each epoch (and at outer-step boundaries on a preemption signal or every
+    trainer.checkpoint_every_minutes), CSV (and TensorBoard) logs in the run directory. With
     several devices, Lightning's DDP strategy (gloo on CPU, NCCL on GPUs). spikes: the run's
-    loss-spike watch (a new one if None)."""
+    loss-spike watch (a new one if None); signals: the run's preemption signals (new ones if None)."""
     tc = cfg.trainer
-    strategy = "auto"
-    if tc.strategy == "ddp" or tc.devices > 1:
+    strategy, precision, plugins = "auto", tc.precision, [AtomicCheckpointIO()]
+    if tc.strategy == "fsdp":
+        strategy = SecondOrderFSDPStrategy(tc.world_size, cpu_offload=tc.fsdp_cpu_offload)
+        if precision in ("64-true", "64"):
+            # Lightning refuses the flag with ModelParallelStrategy (fully_shard has no float64 path); ours
+            # shards float64 tensors like any other, so the plugin is given instead of the flag.
+            precision, plugins = None, [*plugins, DoublePrecision()]
+    elif tc.strategy == "ddp" or tc.world_size > 1:
         strategy = DDPStrategy(find_unused_parameters=tc.find_unused_parameters)
     # One log version per session (logs/version_0, version_1 after a resume, ...): a logger reusing a
     # directory would delete the earlier metrics.
     loggers = [CSVLogger(save_dir=paths.root, name="logs")]
+    guard = DivergenceGuard(paths.last_checkpoint, cfg.inner_step_keys)
     if cfg.run.tensorboard and importlib.util.find_spec("tensorboard") is not None:
         loggers.append(TensorBoardLogger(save_dir=paths.root, name="tensorboard"))
     return pl.Trainer(
@@ -213,23 +259,31 @@ def make_trainer(
         max_epochs=-1,
         accelerator=tc.accelerator,
         devices=tc.devices,
+        num_nodes=tc.num_nodes,
         strategy=strategy,
         # The data modules give each process its own tasks (StepAlignedSampler, process_share).
         use_distributed_sampler=False,
-        precision=tc.precision,
+        precision=precision,
         inference_mode=False,
         logger=loggers,
-        # The guard runs before the checkpoint callback: a diverged epoch end raises before it is saved.
+        # The guard runs before the checkpoint callbacks: a diverged epoch end raises before it is saved.
+        # StepBoundaryCheckpoint comes last: it saves the state every other callback has updated.
         callbacks=[
-            DivergenceGuard(paths.last_checkpoint, cfg.inner_step_keys),
+            guard,
             spikes if spikes is not None else LossSpikeWatch(inner_keys=cfg.inner_step_keys),
             EpochEndCheckpoint(paths.last_checkpoint),
             LogStepAlignment(),
             timer,
+            StepBoundaryCheckpoint(
+                paths,
+                signals if signals is not None else PreemptionSignals(),
+                tc.checkpoint_every_minutes,
+                guard,
+            ),
         ],
         detect_anomaly=tc.detect_anomaly,
         enable_checkpointing=False,
-        plugins=[AtomicCheckpointIO()],
+        plugins=plugins,
         log_every_n_steps=tc.log_every_n_steps,
         enable_progress_bar=tc.progress_bar and sys.stdout.isatty(),
         num_sanity_val_steps=0,
@@ -254,6 +308,7 @@ def run(
 
     start = time.perf_counter()
     check_accelerator(cfg)
+    check_strategy(cfg)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     try:
         module, data = load_builder(cfg.builder).build(cfg)
@@ -268,19 +323,22 @@ def run(
         paths = run_paths(cfg)
     if rank_zero_only.rank == 0:
         atomic_write_text(paths.config, to_yaml(cfg))
+        paths.preempted.unlink(missing_ok=True)  # this session continues the preempted one
     timer = OuterStepTimer()
     spikes = LossSpikeWatch(inner_keys=cfg.inner_step_keys)
-    trainer = make_trainer(cfg, paths, timer, spikes)
-    # config.yaml holds the latest session's config; each session's own goes beside its metrics
-    # (logs/version_N/hparams.yaml), so a run resumed with other keys (a short-then-long context
-    # schedule) keeps its history.
-    trainer.loggers[0].log_hyperparams(to_dict(cfg))
-    # Lightning restores a checkpoint before it casts the module to the precision's dtype: cast first,
-    # or a float64 run would resume from float32-rounded parameters.
-    module = trainer.strategy.precision_plugin.convert_module(module)
-    trainer.fit(module, datamodule=data, ckpt_path=checkpoint)
-    if cfg.trainer.test_tasks:
-        trainer.test(module, datamodule=data, verbose=False)
+    # Ours from here on: Lightning installs its own at each stage's start, StepBoundaryCheckpoint re-installs.
+    with PreemptionSignals() as signals:
+        trainer = make_trainer(cfg, paths, timer, spikes, signals)
+        # config.yaml holds the latest session's config; each session's own goes beside its metrics
+        # (logs/version_N/hparams.yaml), so a run resumed with other keys (a short-then-long context
+        # schedule) keeps its history.
+        trainer.loggers[0].log_hyperparams(to_dict(cfg))
+        # Lightning restores a checkpoint before it casts the module to the precision's dtype: cast first,
+        # or a float64 run would resume from float32-rounded parameters.
+        module = trainer.strategy.precision_plugin.convert_module(module)
+        trainer.fit(module, datamodule=data, ckpt_path=checkpoint)
+        if cfg.trainer.test_tasks:
+            trainer.test(module, datamodule=data, verbose=False)
     summary: dict[str, Any] = {
         key.removeprefix("test/"): float(value)
         for key, value in trainer.callback_metrics.items()
@@ -305,9 +363,12 @@ def run(
 
 
 DIVERGED = 3
+"""Exit status of a run stopped by a non-finite loss (2: bad command line or config)."""
 OUT_OF_MEMORY = 4
 """Exit status of a run that ran out of accelerator memory (the message names the keys that lower it)."""
-"""Exit status of a run stopped by a non-finite loss (2: bad command line or config)."""
+PREEMPTED = 75
+"""Exit status of a run stopped by SIGTERM or SIGUSR1 after writing its checkpoint (75 is EX_TEMPFAIL of
+sysexits.h: a temporary failure, to be retried); resume=RUN continues it."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -333,6 +394,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     # Synthetic tasks are generated in microseconds: extra loader workers would not help.
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    # The training stream is indexed by the outer step (StepAlignedSampler): a run resumed from a checkpoint
+    # written within an epoch reads what the uninterrupted run would have, which Lightning cannot know.
+    warnings.filterwarnings(
+        "ignore", message=".*resuming from a checkpoint that ended before the epoch ended.*"
+    )
     try:
         summary = run(cfg, paths=paths, checkpoint=checkpoint)
     except (ConfigError, FileExistsError, CheckpointError) as err:
@@ -344,6 +410,17 @@ def main(argv: list[str] | None = None) -> int:
     except torch.OutOfMemoryError as err:
         print(f"error: {out_of_memory_advice(cfg, err)}", file=sys.stderr)
         return OUT_OF_MEMORY
+    except Preempted as err:
+        if rank_zero_only.rank == 0:
+            print(str(err), file=sys.stderr)
+        return PREEMPTED
+    except SIGTERMException:  # Lightning's own handler, in the moment before a stage installs ours
+        if rank_zero_only.rank == 0:
+            print(
+                "preempted by SIGTERM before training started; the run's checkpoint (if any) is as it was",
+                file=sys.stderr,
+            )
+        return PREEMPTED
     except RuntimeError as err:
         if UNUSED_PARAMETERS_ERROR not in str(err):
             raise

@@ -166,7 +166,7 @@ def test_bad_values_name_the_key(override, message):
         ("inner.learnable_lr", "none, tensor, element"),
         ("optim.name", "adamw, adam, sgd, sophia_h, adahessian"),
         ("optim.scheduler", "constant, cosine, linear"),
-        ("trainer.strategy", "auto, ddp"),
+        ("trainer.strategy", "auto, ddp, fsdp"),
         ("trainer.precision", "32-true, 32, bf16-mixed, 16-mixed, bf16-true, 16-true, 64-true, 64"),
         ("trainer.accelerator", "auto, cpu, gpu, cuda, mps"),
         ("model.attention", "flashbob, eager, sdpa_math"),

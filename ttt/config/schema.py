@@ -59,17 +59,16 @@ class Strategy(Choice):
 
     auto = "auto"
     ddp = "ddp"
+    fsdp = "fsdp"
 
 
-_SHARDING = (
-    " is not supported: sharded strategies gather a layer's parameters only inside the wrapped module's "
-    "own forward, while the inner loop calls the model through torch.func.functional_call with whole "
-    "adapted parameters and differentiates through the inner gradients (create_graph=True); "
-    "use trainer.strategy=ddp (every device holds the whole model)"
-)
 UNSUPPORTED_STRATEGIES = {
-    "fsdp": _SHARDING,
-    "deepspeed": _SHARDING,
+    "deepspeed": (
+        " is not supported: DeepSpeed gathers a layer's parameters only inside the wrapped module's own "
+        "forward, while the inner loop calls the model through torch.func.functional_call with whole "
+        "adapted parameters and differentiates through the inner gradients (create_graph=True); use "
+        "trainer.strategy=fsdp (sharded parameters, gradients and optimizer state) or ddp"
+    ),
     "ddp_spawn": " is not supported: it pickles the data module, whose task samplers are closures; use ddp",
 }
 """Why these Lightning strategies are refused (the config error's text)."""
@@ -142,6 +141,9 @@ class TrainerConfig:
     restores the minutes trained so far. null: no time limit."""
     steps_per_epoch: int = 100
     """Outer steps between validations and checkpoints (one epoch); capped at max_steps."""
+    checkpoint_every_minutes: float | None = None
+    """Also write the run's checkpoint (last.ckpt) at the first outer-step boundary after this many minutes
+    since the last one, within epochs; null: only at epoch ends (and on SIGTERM / SIGUSR1, always)."""
     meta_batch_size: int = 8
     """Tasks per outer step and device (N devices: N x meta_batch_size tasks per outer step)."""
     val_tasks: int = 32
@@ -156,10 +158,18 @@ class TrainerConfig:
     """Lightning accelerator: auto, cpu, gpu / cuda, mps."""
     devices: int = 1
     """Number of devices (processes) on this machine; with several, meta_batch_size is per device."""
+    num_nodes: int = 1
+    """Machines, each running trainer.devices processes, started by torchrun or SLURM (docs/distributed.md);
+    all processes together read devices x num_nodes x meta_batch_size tasks per outer step."""
     strategy: Strategy = Strategy.auto
-    """Lightning strategy: ddp (data parallel, one process per device) or auto (ddp when devices > 1)."""
+    """Lightning strategy: ddp (data parallel, one process per device), fsdp (data parallel with parameters,
+    gradients and optimizer state sharded over the processes; docs/distributed.md) or auto (ddp when
+    devices > 1)."""
     find_unused_parameters: bool = False
     """ddp only: allow trainable parameters that get no outer gradient in a step (slower)."""
+    fsdp_cpu_offload: bool = False
+    """fsdp only: keep the parameter shards, their gradients and the optimizer state in CPU memory (the
+    optimizer steps on the CPU); each pass copies the shards to the device."""
     log_every_n_steps: int = 10
     """Write training metrics every this many outer steps."""
     progress_bar: bool = True
@@ -171,11 +181,22 @@ class TrainerConfig:
     """Data loader worker processes (synthetic tasks are cheap: 0 is usually best)."""
 
     def __post_init__(self):
-        for name in ("max_steps", "steps_per_epoch", "meta_batch_size", "eval_batch_size", "devices"):
+        for name in (
+            "max_steps",
+            "steps_per_epoch",
+            "meta_batch_size",
+            "eval_batch_size",
+            "devices",
+            "num_nodes",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"trainer.{name} must be a positive int, got {getattr(self, name)}")
         if self.max_minutes is not None and self.max_minutes <= 0:
             raise ValueError(f"trainer.max_minutes must be > 0 or null, got {self.max_minutes}")
+        if self.checkpoint_every_minutes is not None and not self.checkpoint_every_minutes > 0:
+            raise ValueError(
+                f"trainer.checkpoint_every_minutes must be > 0 or null, got {self.checkpoint_every_minutes}"
+            )
         for name in ("val_tasks", "test_tasks", "num_workers"):
             if getattr(self, name) < 0:
                 raise ValueError(f"trainer.{name} must be >= 0, got {getattr(self, name)}")
@@ -186,18 +207,27 @@ class TrainerConfig:
                 f"({self.steps_per_epoch}): validation and resumable checkpoints happen at epoch ends"
             )
         self.strategy = Strategy.parse(self.strategy, "trainer.strategy")
+        if self.fsdp_cpu_offload and self.strategy != Strategy.fsdp:
+            raise ValueError(
+                f"trainer.fsdp_cpu_offload=true needs trainer.strategy=fsdp, got {self.strategy}"
+            )
         self.precision = Precision.parse(self.precision, "trainer.precision")
         self.accelerator = Accelerator.parse(self.accelerator, "trainer.accelerator")
-        if self.devices > 1:
+        if self.world_size > 1:
             for name in ("val_tasks", "test_tasks"):
-                if getattr(self, name) % self.devices:
+                if getattr(self, name) % self.world_size:
                     raise ValueError(
-                        f"trainer.{name} ({getattr(self, name)}) must be a multiple of trainer.devices "
-                        f"({self.devices}): each process evaluates an equal share, and the shares' means are "
-                        "averaged"
+                        f"trainer.{name} ({getattr(self, name)}) must be a multiple of trainer.devices x "
+                        f"trainer.num_nodes ({self.world_size}): each process evaluates an equal share, and "
+                        "the shares' means are averaged"
                     )
         if self.log_every_n_steps < 1:
             raise ValueError(f"trainer.log_every_n_steps must be >= 1, got {self.log_every_n_steps}")
+
+    @property
+    def world_size(self) -> int:
+        """Processes of the run: devices x num_nodes."""
+        return self.devices * self.num_nodes
 
 
 @dataclass

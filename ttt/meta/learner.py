@@ -21,6 +21,7 @@ three hooks; `summary_figures` adds figures of its own to summary.json.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +32,7 @@ from ttt.config.schema import OuterOptimConfig
 
 from .distributed import task_backward
 from .outer import outer_optimizers, outer_param_groups, outer_update
+from .sharding import SecondOrderFSDPStrategy, gathered_parameters
 
 
 class OuterLearner(pl.LightningModule):
@@ -105,12 +107,15 @@ class OuterLearner(pl.LightningModule):
         backward = task_backward(self, optimizer, len(passes))  # DDP: one all-reduce per outer step
         totals: dict[str, torch.Tensor] = {}
         per_pass: dict[str, list[torch.Tensor]] = {}
-        for batch_pass in passes:  # one pass's graph alive at a time
-            loss, metrics = pass_loss(batch_pass, batch_size)
-            backward(loss)
-            for name, value in metrics.items():
-                totals[name] = totals[name] + value if name in totals else value
-                per_pass.setdefault(name, []).append(torch.as_tensor(value).detach())
+        # trainer.strategy=fsdp: the parameters whole through the step's passes and their backward passes (a
+        # checkpointed inner loop recomputes its forward there), the gradients reduced into the shards after
+        with gathered_parameters(self, self.device):
+            for batch_pass in passes:  # one pass's graph alive at a time
+                loss, metrics = pass_loss(batch_pass, batch_size)
+                backward(loss)
+                for name, value in metrics.items():
+                    totals[name] = totals[name] + value if name in totals else value
+                    per_pass.setdefault(name, []).append(torch.as_tensor(value).detach())
         extra = {} if step_kwargs is None else step_kwargs()
         lr = outer_update(self, optimizer, scheduler, self.optim_cfg if cfg is None else cfg, **extra)
         return totals, lr, {name: torch.stack(values) for name, values in per_pass.items()}
@@ -119,6 +124,26 @@ class OuterLearner(pl.LightningModule):
         """Figures of the run beyond the logged test metrics, added to summary.json by ttt.train
         (JSON values: numbers, strings, None, lists, dicts); none by default."""
         return {}
+
+    def configure_model(self) -> None:
+        """Under trainer.strategy=fsdp, shard the parameters over the processes (`ttt.meta.sharding`);
+        nothing under other strategies."""
+        if isinstance(self.trainer.strategy, SecondOrderFSDPStrategy):
+            self.trainer.strategy.shard(self)
+
+    def _gather_for_evaluation(self) -> None:
+        # trainer.strategy=fsdp: the parameters stay whole (detached) from the start of a validation or test
+        # to its end, for every hook of the learner in between.
+        self._evaluation_parameters = contextlib.ExitStack()
+        self._evaluation_parameters.enter_context(
+            gathered_parameters(self, self.device, reduce_gradients=False)
+        )
+
+    def _release_after_evaluation(self) -> None:
+        self._evaluation_parameters.close()
+
+    on_validation_start = on_test_start = _gather_for_evaluation
+    on_validation_end = on_test_end = _release_after_evaluation
 
     def log_evaluation(self, stage: str, metrics: dict[str, torch.Tensor], batch_size: int) -> None:
         """Log held-out metrics as <stage>/<name>, averaged over batches and processes."""

@@ -7,9 +7,12 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from torch.distributed.tensor import DTensor
 
 from ttt.config.schema import OuterOptimConfig
 from ttt.inner import InnerLoop
+
+from .sharding import clip_sharded_gradients
 
 
 def lr_multiplier(step: int, *, cfg: OuterOptimConfig, total_steps: int) -> float:
@@ -79,7 +82,11 @@ def outer_update(
     schedule. Returns the learning rate now in effect, as a float (NCCL cannot reduce a CPU tensor).
     step_kwargs go to optimizer.step (sophia_h, adahessian: `ttt.second_order.HessianFeed.step_kwargs`)."""
     if cfg.grad_clip is not None:
-        module.clip_gradients(optimizer, gradient_clip_val=cfg.grad_clip, gradient_clip_algorithm="norm")
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if params and isinstance(params[0], DTensor):  # trainer.strategy=fsdp
+            clip_sharded_gradients(params, cfg.grad_clip, module.device)
+        else:
+            module.clip_gradients(optimizer, gradient_clip_val=cfg.grad_clip, gradient_clip_algorithm="norm")
     optimizer.step(**step_kwargs)
     scheduler.step()
     return scheduler.get_last_lr()[0]

@@ -1,5 +1,6 @@
-"""Run directories, atomic files, checkpoints and their loader, outer-step timing, the divergence guard
-the loss-spike watch, the out-of-memory advice, and the end-of-run summary and figures."""
+"""Run directories, atomic files, checkpoints and their loader, checkpoints on preemption signals and by
+time, outer-step timing, the divergence guard, the loss-spike watch, the out-of-memory advice, and the
+end-of-run summary and figures."""
 
 from .atomic import AtomicCheckpointIO, atomic_write_text
 from .checkpoint_file import CheckpointError, check_resumable, load_checkpoint, trained_minutes
@@ -8,6 +9,7 @@ from .directory import RunPaths, new_run_dir, resolve_resume
 from .divergence import DivergenceError, DivergenceGuard
 from .loss_spikes import LossSpikeWatch
 from .out_of_memory import out_of_memory_advice
+from .preemption import Preempted, PreemptionSignals, StepBoundaryCheckpoint
 from .report import write_run_report
 from .summary import format_summary_table, write_summary
 from .timing import OuterStepTimer
@@ -21,7 +23,10 @@ __all__ = [
     "LogStepAlignment",
     "LossSpikeWatch",
     "OuterStepTimer",
+    "Preempted",
+    "PreemptionSignals",
     "RunPaths",
+    "StepBoundaryCheckpoint",
     "atomic_write_text",
     "check_resumable",
     "format_summary_table",

@@ -8,6 +8,7 @@ from pathlib import Path
 
 CONFIG_FILE = "config.yaml"
 LAST_CHECKPOINT = "last.ckpt"
+PREEMPTED_FILE = "preempted.json"
 
 
 @dataclass
@@ -31,6 +32,12 @@ class RunPaths:
     def last_checkpoint(self) -> Path:
         """Checkpoint written at the end of the latest epoch."""
         return self.checkpoints / LAST_CHECKPOINT
+
+    @property
+    def preempted(self) -> Path:
+        """Written when a session stopped on a preemption signal (signal, outer step, checkpoint); removed
+        when a resumed session starts training."""
+        return self.root / PREEMPTED_FILE
 
     @property
     def summary(self) -> Path:

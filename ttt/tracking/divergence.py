@@ -115,11 +115,16 @@ class DivergenceGuard(pl.Callback):
         raise DivergenceError("\n".join(lines))
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.check_parameters(trainer, pl_module)
+
+    def check_parameters(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Raise `DivergenceError` unless every parameter is finite: before a checkpoint is written (at an
+        epoch end, and before `StepBoundaryCheckpoint`'s saves within an epoch)."""
         bad = [name for name, p in pl_module.named_parameters() if not bool(torch.isfinite(p).all())]
         if bad:
             raise DivergenceError(
                 f"training diverged by outer step {trainer.global_step} (epoch {trainer.current_epoch}): "
                 f"{len(bad)} parameter tensors are non-finite (first: {bad[0]}) although the losses were "
-                "finite; likely at fault: optim.lr, optim.grad_clip, trainer.precision. This epoch's "
+                "finite; likely at fault: optim.lr, optim.grad_clip, trainer.precision. This step's "
                 f"checkpoint was not written; {self._kept()}"
             )

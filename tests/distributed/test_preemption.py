@@ -1,0 +1,196 @@
+"""Preemption: a run sent SIGTERM or SIGUSR1 (from outside, at a chosen point) writes its checkpoint at the
+next outer-step boundary and exits with status 75, its run directory saying so in preempted.json; resumed,
+it reaches exactly the state of the uninterrupted run (parameters, Adam's moments, the schedule, the logged
+losses of every step). Kill points are outer steps drawn at random (seeded, so a failure replays), an
+epoch's validation and the final test; one process, and 2 processes (gloo, ddp and fsdp) with the signal
+sent to rank 1 only. Each run is a subprocess of maml_sinusoid at toy size (7 s, 25 s with 2 processes)."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from test_ddp import REPO, launch, train_losses
+
+import ttt.train
+from ttt.train import PREEMPTED, main
+
+SCRIPT = Path(__file__).with_name("preempt_at.py")
+SIX_STEPS = [
+    "recipe=maml_sinusoid",
+    "model.hidden_sizes=[8,8]",
+    "inner.steps=2",
+    "inner.eval_steps=2",
+    "trainer.max_steps=6",
+    "trainer.steps_per_epoch=3",
+    "trainer.meta_batch_size=2",
+    "trainer.val_tasks=2",
+    "trainer.test_tasks=2",
+    "trainer.eval_batch_size=2",
+    "trainer.log_every_n_steps=1",
+    "trainer.progress_bar=false",
+    "trainer.accelerator=cpu",
+    "run.tensorboard=false",
+    "optim.warmup_steps=2",
+]
+"""Two epochs of three outer steps; AdamW (whose moments must survive) on a warm-up-then-cosine schedule."""
+KILL_STEPS = random.Random(30).sample(range(6), 2)
+"""Completed outer steps at which the signal arrives (the step after them is then in progress)."""
+
+
+def preempt_and_resume(cwd: Path, where: str, step: int, *, rank: int = 0, sig=signal.SIGTERM, extra=()):
+    """Run SIX_STEPS into cwd/runs/run, send `sig` to the process of global rank `rank` when it reaches
+    `where` after `step` outer steps (preempt_at.py), expect exit status 75, then resume it to the end.
+    Returns (the run directory, preempted.json, the preempted session's stderr)."""
+    pidfile = cwd / "pid"
+    command = [sys.executable, str(SCRIPT), where, str(step), str(rank), str(pidfile), *SIX_STEPS, *extra]
+    env = {key: value for key, value in os.environ.items() if key not in ("MASTER_PORT", "TTT_RUN_DIR")}
+    env.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", PYTHONPATH=str(REPO))
+    process = subprocess.Popen(
+        [*command, "run.name=run"], cwd=cwd, env=env, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 120
+    while not pidfile.is_file() or not pidfile.read_text():
+        assert process.poll() is None, process.stderr.read()[-3000:]
+        assert time.monotonic() < deadline, "the run never reached the kill point"
+        time.sleep(0.05)
+    os.kill(int(pidfile.read_text()), sig)
+    stderr = process.communicate(timeout=120)[1]
+    assert process.returncode == PREEMPTED, stderr[-3000:]
+    run = cwd / "runs" / "run"
+    record = json.loads((run / "preempted.json").read_text())
+    assert not (run / "summary.json").exists()
+    launch([sys.executable, "-m", "ttt.train", f"resume={run}"], cwd)
+    assert not (run / "preempted.json").exists()
+    return run, record, stderr
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """extra overrides -> the run directory of SIX_STEPS without a signal (run once per module)."""
+    runs = {}
+
+    def run(*extra: str) -> Path:
+        if extra not in runs:
+            cwd = tmp_path_factory.mktemp("uninterrupted")
+            launch([sys.executable, "-m", "ttt.train", *SIX_STEPS, *extra, "run.name=run"], cwd)
+            runs[extra] = cwd / "runs" / "run"
+        return runs[extra]
+
+    return run
+
+
+def assert_same_training(run: Path, reference: Path) -> None:
+    """Bit-identical parameters, optimizer state (moments, step counts), schedule and loop counters; the
+    same training loss at every outer step (the same data in the same order) across the sessions' logs."""
+    got, want = (torch.load(r / "checkpoints" / "last.ckpt", weights_only=False) for r in (run, reference))
+    assert got["global_step"] == want["global_step"] == 6
+    assert got["state_dict"].keys() == want["state_dict"].keys()
+    for name, value in want["state_dict"].items():
+        assert torch.equal(got["state_dict"][name], value), name
+    (got_opt,), (want_opt,) = got["optimizer_states"], want["optimizer_states"]
+    assert got_opt["state"].keys() == want_opt["state"].keys()
+    for index, state in want_opt["state"].items():
+        for key, value in state.items():
+            assert torch.equal(got_opt["state"][index][key], value), (index, key)
+    assert got["lr_schedulers"] == want["lr_schedulers"]
+    logged = {}
+    for version in sorted((run / "logs").iterdir()):
+        lines = (version / "metrics.csv").read_text().splitlines()
+        header = lines[0].split(",")
+        if "train/outer_loss" not in header:  # a session that only tested
+            continue
+        step, loss = header.index("step"), header.index("train/outer_loss")
+        for row in lines[1:]:
+            cells = row.split(",")
+            if cells[loss]:
+                assert int(cells[step]) not in logged, f"step {cells[step]} logged twice"
+                logged[int(cells[step])] = float(cells[loss])
+    assert list(logged.values()) == train_losses(reference, "train/outer_loss")
+    assert sorted(logged) == list(range(6))
+
+
+@pytest.mark.parametrize("step", KILL_STEPS, ids=lambda step: f"after-step-{step}")
+def test_sigterm_at_a_random_step_then_resume_equals_the_uninterrupted_run(step, uninterrupted, tmp_path):
+    run, record, stderr = preempt_and_resume(tmp_path, "step", step)
+    # The step in progress completes, then the checkpoint is written: within an epoch at once, on an
+    # epoch's last step after its validation (the epoch-end checkpoint).
+    assert record == {
+        "signal": "SIGTERM",
+        "outer_step": step + 1,
+        "checkpoint": "checkpoints/last.ckpt",
+    }
+    assert f"preempted by SIGTERM at outer step {step + 1}" in stderr
+    assert "continue with: python -m ttt.train resume=runs/run" in stderr
+    assert_same_training(run, uninterrupted())
+
+
+def test_sigusr1_during_validation_stops_at_the_epoch_end(uninterrupted, tmp_path):
+    run, record, _ = preempt_and_resume(tmp_path, "validation", 3, sig=signal.SIGUSR1)
+    assert record["signal"] == "SIGUSR1" and record["outer_step"] == 3
+    assert_same_training(run, uninterrupted())
+
+
+def test_sigterm_during_the_final_test_resumes_to_the_test(uninterrupted, tmp_path):
+    run, record, stderr = preempt_and_resume(tmp_path, "test", 6)
+    assert record["outer_step"] == 6 and "the test runs again on resume" in stderr
+    assert_same_training(run, uninterrupted())
+    summaries = [json.loads((r / "summary.json").read_text()) for r in (run, uninterrupted())]
+    assert summaries[0]["query_loss_adapted"] == summaries[1]["query_loss_adapted"]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_processes_stop_together_when_one_of_them_gets_the_signal(strategy, uninterrupted, tmp_path):
+    """2 processes, the signal to rank 1 only; under fsdp the checkpoint is gathered from the shards."""
+    step = KILL_STEPS[0]
+    two = (f"trainer.strategy={strategy}", "trainer.devices=2")
+    run, record, _ = preempt_and_resume(tmp_path, "step", step, rank=1, extra=two)
+    assert record["outer_step"] == step + 1
+    assert_same_training(run, uninterrupted(*two))
+
+
+class _Crash(Exception):
+    """Stands for the process dying without a signal (killed, out of memory)."""
+
+
+class _CrashBeforeStep(pl.Callback):
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            raise _Crash
+
+
+@pytest.mark.parametrize("minutes", [1e-9, None], ids=["every-step", "off"])
+def test_checkpoints_by_time_let_a_crashed_run_resume_mid_epoch(
+    minutes, uninterrupted, tmp_path, monkeypatch
+):
+    """trainer.checkpoint_every_minutes tiny: a checkpoint at every outer-step boundary, so a run that dies
+    after 2 of its epoch's 3 steps resumes from step 2 (without it, nothing was saved yet)."""
+    make_trainer = ttt.train.make_trainer
+
+    def crashing_trainer(*args, **kwargs):
+        trainer = make_trainer(*args, **kwargs)
+        trainer.callbacks.append(_CrashBeforeStep(2))
+        return trainer
+
+    monkeypatch.setattr(ttt.train, "make_trainer", crashing_trainer)
+    overrides = [*SIX_STEPS, f"run.root={tmp_path}", "run.name=run"]
+    with pytest.raises(_Crash):
+        main([*overrides, f"trainer.checkpoint_every_minutes={'null' if minutes is None else minutes}"])
+    checkpoint = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    if minutes is None:
+        assert not checkpoint.exists()
+        return
+    assert torch.load(checkpoint, weights_only=False)["global_step"] == 2
+    monkeypatch.setattr(ttt.train, "make_trainer", make_trainer)
+    assert main([f"resume={tmp_path / 'run'}"]) == 0
+    assert_same_training(tmp_path / "run", uninterrupted())
