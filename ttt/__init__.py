@@ -8,7 +8,9 @@ Layout
     ttt.learners     ready-made MetaLearner subclasses (context test-time training, regression)
     ttt.tasks        synthetic task generators (long-context key-value recall, sinusoid)
     ttt.text         local text corpora through Hugging Face datasets, no-download tokenizers
+    ttt.reading      the chunked-reading engine (`ChunkedReader`, `score_then_step`) under the two below
     ttt.ttt_layers   TTT-E2E transformer with fast-weight MLPs read chunk by chunk
+    ttt.memory       Titans-style neural-memory transformer on the same engine
     ttt.config       typed configs, recipe loading and override checking
     ttt.tracking     run directories, atomic checkpoints, timing, summaries
     ttt.train        the command line: `python -m ttt.train recipe=NAME key=value ...`

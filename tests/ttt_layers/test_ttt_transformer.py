@@ -236,7 +236,7 @@ def test_flashbob_kernels_through_the_chunked_layer_match_eager(monkeypatch):
         with torch.no_grad():
             model.layers[1].ttt_mlp.w_down.weight.normal_(std=0.3)
         if attention == "triton":
-            for module in ("ttt.ttt_layers.block", "ttt.models.transformer"):
+            for module in ("ttt.reading.block", "ttt.models.transformer"):
                 monkeypatch.setattr(importlib.import_module(module), "attention", triton_attention)
         x = torch.randint(0, 64, (1, 37), generator=torch.Generator().manual_seed(1)).to(device)
         loss = _meta_loss(model, x)

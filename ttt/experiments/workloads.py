@@ -28,12 +28,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ttt.config.choice import Choice
 from ttt.inner import InnerLoop, InnerLoopConfig, functional_forward, meta_step, select_parameters
-from ttt.models import Transformer, TransformerConfig
+from ttt.models import Transformer, TransformerConfig, next_token_losses
 from ttt.second_order.hvp import hvp, rademacher_like
 from ttt.ttt_layers import TTTConfig, TTTTransformer
 
@@ -108,12 +107,11 @@ def random_task(n: int, vocab_size: int, device: torch.device, seed: int) -> dic
     return {"inner": tokens[0].to(device), "outer": tokens[1].to(device)}
 
 
-def next_token_loss(
-    model: Transformer, params: dict[str, torch.Tensor], tokens: torch.Tensor
-) -> torch.Tensor:
-    """Mean cross-entropy (float32 scalar) of predicting tokens[1:] from tokens[:-1] (tokens: (N + 1,))."""
-    logits = functional_forward(model, params, tokens[None, :-1])[0]
-    return F.cross_entropy(logits.float(), tokens[1:])
+def sequence_loss(model: Transformer, params: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
+    """Mean `next_token_losses` (scalar) of `model` with `params` predicting tokens[1:] from tokens[:-1]
+    (tokens: (N + 1,))."""
+    logits = functional_forward(model, params, tokens[None, :-1])
+    return next_token_losses(logits, tokens[None, 1:], reduction="mean")
 
 
 class NextTokenObjective:
@@ -124,10 +122,10 @@ class NextTokenObjective:
         self.model = model
 
     def inner_loss(self, params: dict[str, torch.Tensor], task: dict, step: int) -> torch.Tensor:
-        return next_token_loss(self.model, params, task["inner"])
+        return sequence_loss(self.model, params, task["inner"])
 
     def outer_loss(self, params: dict[str, torch.Tensor], task: dict) -> tuple[torch.Tensor, dict]:
-        return next_token_loss(self.model, params, task["outer"]), {}
+        return sequence_loss(self.model, params, task["outer"]), {}
 
 
 def _inner_config(setup: ProbeSetup, point: Point) -> InnerLoopConfig:
@@ -150,7 +148,7 @@ def derivative_step(
     params = dict(model.named_parameters())
 
     def loss_fn(substituted: dict[str, torch.Tensor]) -> torch.Tensor:
-        return next_token_loss(model, substituted, task["inner"])
+        return sequence_loss(model, substituted, task["inner"])
 
     def gradient() -> None:
         torch.autograd.grad(loss_fn(params), tuple(params.values()))

@@ -16,6 +16,9 @@ The adapted form rewards inner steps that memorise the context (filler too), so 
 need not predict it; the prequential form scores every chunk before the weights trained on it, so
 what the initial weights can predict (a repeating filler) is learned by them, and chunks without
 new information leave the adapted weights alone.
+
+Not a `ttt.reading.ChunkedReader`: the inner steps are a MAML task's (`meta_step`), cycling over the
+context's chunks with no carried cache, and the outer loss reads the whole sequence with the final weights.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from ttt.models.transformer import Block, TransformerConfig
-from ttt.ttt_layers.block import KVCache, SuffixBlock
+from ttt.reading.block import KVCache, SuffixBlock
 
 from .config import MemoryConfig
 from .layer import NeuralMemory, Weights

@@ -25,8 +25,7 @@ import torch
 
 from ttt.inner import detach_state, expand_rows, fresh_leaves
 from ttt.models.transformer import Transformer
-from ttt.ttt_layers.config import TTTConfig
-from ttt.ttt_layers.reader import ChunkedReader
+from ttt.reading import ChunkedReader, TTTConfig
 
 from .block import MemoryBlock
 from .config import MemoryConfig

@@ -4,7 +4,7 @@ from .attention import ATTENTION_BACKENDS, attention
 from .mlp import MLP, MLPConfig
 from .pretrained import from_pretrained
 from .rope import RopeScaling
-from .transformer import Transformer, TransformerConfig, next_token_loss
+from .transformer import Transformer, TransformerConfig, next_token_loss, next_token_losses
 
 __all__ = [
     "ATTENTION_BACKENDS",
@@ -16,4 +16,5 @@ __all__ = [
     "attention",
     "from_pretrained",
     "next_token_loss",
+    "next_token_losses",
 ]

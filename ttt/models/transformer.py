@@ -243,7 +243,20 @@ class Transformer(nn.Module):
         return self.lm_head(h)
 
 
+def next_token_losses(
+    logits: torch.Tensor, targets: torch.Tensor, *, reduction: str = "none"
+) -> torch.Tensor:
+    """Cross-entropy of the first T positions of logits (B, C, V) against targets (B, T), T <= C, per
+    token: (B, T), in at least float32 (float64 logits give float64 losses); reduction="mean": their
+    mean, a scalar (F.cross_entropy's own reduction)."""
+    scored = logits[:, : targets.shape[1]].flatten(0, 1)
+    losses = F.cross_entropy(
+        scored.to(torch.promote_types(scored.dtype, torch.float32)), targets.flatten(), reduction=reduction
+    )
+    return losses.view(targets.shape) if reduction == "none" else losses
+
+
 def next_token_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """Mean float32 cross-entropy of logits (B, N, V) at positions 0..N-2 against tokens (B, N) at
+    """Mean of `next_token_losses` of logits (B, N, V) at positions 0..N-2 against tokens (B, N) at
     1..N-1: the language-modelling loss of a `Transformer`'s output on its own input. Returns a scalar."""
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())
+    return next_token_losses(logits, tokens[:, 1:], reduction="mean")

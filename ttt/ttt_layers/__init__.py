@@ -6,10 +6,12 @@ model.token_losses(tokens).mean().backward()   # differentiates through the inne
 
 Any transformers causal LM instead (its own parameters adapt; slower than the converted model):
 TransformersTTTReader(load_causal_lm(TransformersModelConfig(checkpoint=DIR)), ttt, inner).
+
+Both read with the engine of `ttt.reading` (SuffixBlock and TTTConfig are re-exported from there).
 """
 
-from .block import SuffixBlock
-from .config import TTTConfig
+from ttt.reading import SuffixBlock, TTTConfig
+
 from .model import TTTTransformer
 from .transformers_reader import TransformersTTTReader
 

@@ -27,10 +27,7 @@ from torch.func import functional_call
 
 from ttt.inner import InnerLoop, InnerLoopConfig, detach_state, expand_rows, fresh_leaves, select_by_glob
 from ttt.models.transformer import Transformer
-
-from .block import SuffixBlock
-from .config import TTTConfig
-from .reader import ChunkedReader
+from ttt.reading import ChunkedReader, SuffixBlock, TTTConfig, score_then_step
 
 
 class TTTTransformer(ChunkedReader):
@@ -39,7 +36,8 @@ class TTTTransformer(ChunkedReader):
     forward: tokens (B, N) int64 -> logits (B, N, vocab). token_losses: tokens (B, N) -> next-token
     losses (B, N - 1), the training objective. The fast weights are the suffix blocks' parameters that
     inner.params (glob patterns over full names) select: layers.*.mlp.* means the suffix blocks' MLPs.
-    The chunked reading is `ChunkedReader`'s: each chunk is scored, then takes the inner steps.
+    The chunked reading is `ChunkedReader`'s (`ttt.reading`): each chunk is scored, then takes the inner
+    steps (`score_then_step`).
     """
 
     def __init__(self, base: Transformer, ttt: TTTConfig, inner: InnerLoopConfig):
@@ -99,25 +97,18 @@ class TTTTransformer(ChunkedReader):
 
     def _read_chunk(self, carry, hidden, targets, cos, sin, caches, last, keep_logits, steps, create_graph):
         """Score one chunk with the fast weights of carry (fast weights, optimizer state, lrs), then take
-        `steps` inner steps on each sequence's mean loss over it (none on an empty last chunk). Returns
-        (logits or None unless keep_logits, per-token losses (B, T), caches, carry after the steps)."""
+        `steps` inner steps on each sequence's mean loss over it (`score_then_step`). Returns (logits or
+        None unless keep_logits, per-token losses (B, T), caches, carry after the steps)."""
         fast, state, lrs = carry
-        logits, scored, new_caches = self._suffix_chunk(fast, hidden, targets, cos, sin, caches, keep_logits)
-        if targets.numel() == 0:
-            steps = 0
-        for step in range(steps):
-            losses = (
-                scored if step == 0 else self._suffix_chunk(fast, hidden, targets, cos, sin, caches, False)[1]
-            )
-            fast, state = self.inner.step(
-                losses.mean(1).sum(),  # rows are independent: each row's grad is that of its own mean
-                fast,
-                state,
-                create_graph=create_graph,
-                lrs=lrs,
-                per_row=True,
-                retain_graph=create_graph or step == 0,  # step 0's loss is also part of the outer loss
-            )
+
+        def score(fast, first):
+            keep = keep_logits and first
+            logits, losses, new_caches = self._suffix_chunk(fast, hidden, targets, cos, sin, caches, keep)
+            return (logits, new_caches), losses
+
+        (logits, new_caches), scored, fast, state = score_then_step(
+            score, self.inner, fast, state, lrs, steps=steps, create_graph=create_graph, per_row=True
+        )
         return logits, scored, new_caches, (fast, state, lrs)
 
     def read(

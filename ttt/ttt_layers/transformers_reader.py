@@ -29,10 +29,10 @@ from torch.func import functional_call
 
 from ttt.inner import InnerLoop, InnerLoopConfig, detach_state, fresh_leaves, select_by_glob
 from ttt.models.hf_causal_lm import HFCausalLM
+from ttt.models.transformer import next_token_losses
+from ttt.reading import TTTConfig, check_tokens, score_then_step
 
-from .config import TTTConfig
 from .model import resolve_read_options
-from .reader import check_tokens, next_token_losses
 
 
 class TransformersTTTReader(nn.Module):
@@ -81,7 +81,8 @@ class TransformersTTTReader(nn.Module):
 
     def _read_row(self, tokens, steps, create_graph, lr_scale, outer_grad, keep_logits):
         """One sequence tokens (1, N) read chunk by chunk from the initial fast weights: (logits (1, N, V)
-        or None, losses (1, N - 1)); the options as `read` resolved them."""
+        or None, losses (1, N - 1)); each chunk scored, then stepped, by `score_then_step` as in
+        `TTTTransformer`; the options as `read` resolved them."""
         fast = self.initial_fast_weights()
         lrs, state = self.inner.step_lrs(fast, lr_scale), self.inner.init_state(fast)
         if not outer_grad:
@@ -90,17 +91,17 @@ class TransformersTTTReader(nn.Module):
         for start in range(0, n, self.ttt_cfg.chunk_len):
             end = min(start + self.ttt_cfg.chunk_len, n)
             with torch.set_grad_enabled(torch.is_grad_enabled() and (outer_grad or steps > 0)):
-                logits, scored = self._score(fast, tokens, start, end)
-                for step in range(steps if scored.numel() else 0):
-                    losses = scored if step == 0 else self._score(fast, tokens, start, end)[1]
-                    fast, state = self.inner.step(
-                        losses.mean(),
-                        fast,
-                        state,
-                        create_graph=create_graph,
-                        lrs=lrs,
-                        retain_graph=create_graph or (step == 0 and outer_grad),
-                    )
+                logits, scored, fast, state = score_then_step(
+                    lambda fast, _, start=start, end=end: self._score(fast, tokens, start, end),
+                    self.inner,
+                    fast,
+                    state,
+                    lrs,
+                    steps=steps,
+                    create_graph=create_graph,
+                    per_row=False,
+                    scored_in_outer=outer_grad,
+                )
             if not outer_grad:
                 logits, scored = logits.detach(), scored.detach()
                 fast, state = fresh_leaves(fast), detach_state(state)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kernels
-from ttt.ttt_layers.prefix_cache import PrefixCache
+from ttt.reading.prefix_cache import PrefixCache
 
 CHUNKS = (5, 3, 7, 1, 6)  # B 2, Hkv 3, D 5
 

@@ -10,12 +10,13 @@ Reading the sequences tokens (B, N) side by side:
         most recent positions, carried across chunks; from `SuffixBlock.initial_cache`, which gives a
         block with shares_prefix under full causal attention one `PrefixCache` for the whole read),
         the head scores its next tokens (`_score`),
-        and carry adapts (TTT-E2E: inner steps after scoring; neural memory: writes inside the blocks);
+        and carry adapts (TTT-E2E: `score_then_step`, inner steps after scoring; neural memory: writes
+        inside the blocks);
     returns the chunks' logits (kept on request) and losses, concatenated along the sequence.
 
 With outer_grad=False every chunk's outputs and carry are detached (`_detached`: the fast weights made
-fresh leaves) so that evaluation memory stays flat. Subclasses: `TTTTransformer`,
-`NeuralMemoryTransformer`; each has its own `read` (its options) on top of `_read`.
+fresh leaves) so that evaluation memory stays flat. Subclasses: `ttt.ttt_layers.TTTTransformer`,
+`ttt.memory.NeuralMemoryTransformer`; each has its own `read` (its options) on top of `_read`.
 """
 
 from __future__ import annotations
@@ -24,12 +25,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ttt.inner import maybe_checkpoint
 from ttt.models.linear_cross_entropy import linear_cross_entropy
-from ttt.models.transformer import Block, Transformer, rope_cos_sin
+from ttt.models.transformer import Block, Transformer, next_token_losses, rope_cos_sin
 
 from .block import detach_cache
 from .config import TTTConfig
@@ -207,16 +207,6 @@ class ChunkedReader(nn.Module):
         `read`)."""
         check_tokens(tokens)
         return self.read(tokens, keep_logits=True, **options)[0]
-
-
-def next_token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy of the first T positions of logits (B, C, V) against targets (B, T), T <= C, per
-    token: (B, T), in at least float32."""
-    scored = logits[:, : targets.shape[1]].flatten(0, 1)
-    losses = F.cross_entropy(
-        scored.to(torch.promote_types(scored.dtype, torch.float32)), targets.flatten(), reduction="none"
-    )
-    return losses.view(targets.shape)
 
 
 def check_tokens(tokens: torch.Tensor) -> None:
