@@ -23,6 +23,7 @@ share: the dtype names, masks, timers, inputs, the yardstick and the one writer 
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import csv
 import json
@@ -53,6 +54,21 @@ def parse_mask(text: str) -> tuple[bool, int | None]:
     if text.startswith("window"):
         return True, int(text[len("window"):])
     raise ValueError(f"mask entries must be full, causal or windowW, got {text!r}")
+
+
+def sweep_parser(
+    subcommand: str, doc: str | None, *, n: str, budget: float, out: str
+) -> argparse.ArgumentParser:
+    """The parser of a subcommand that sweeps lengths and head dims: --n and --d (comma-separated),
+    --heads, --budget (seconds of timed calls per measurement) and --out, with these defaults."""
+    p = argparse.ArgumentParser(prog=f"python -m kernels.bench {subcommand}", description=doc,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--n", default=n, help="comma-separated sequence lengths")
+    p.add_argument("--d", default="64,128", help="comma-separated head dims")
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--budget", type=float, default=budget, help="seconds of timed calls per measurement")
+    p.add_argument("--out", default=out, help="output directory")
+    return p
 
 
 def int_list(text: str) -> list[int]:

@@ -25,7 +25,6 @@ reported in time and memory only. Writes results.csv, results.json and table.md 
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
@@ -42,6 +41,7 @@ from kernels.bench import (
     peak_gib,
     rel,
     str_list,
+    sweep_parser,
     sync_time,
     tflops,
     time_ms,
@@ -185,14 +185,8 @@ def markdown_table(rows: list[dict], meta: dict) -> str:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m kernels.bench jvp", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--n", default="4096,8192,16384,32768,65536", help="comma-separated sequence lengths")
-    p.add_argument("--d", default="64,128", help="comma-separated head dims")
+    p = sweep_parser("jvp", __doc__, n="4096,8192,16384,32768,65536", budget=0.3, out="jvp_out")
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--budget", type=float, default=0.3, help="seconds of timed calls per measurement")
-    p.add_argument("--out", default="jvp_out", help="output directory")
     p.add_argument("--check", default="bf16", help="dtypes of the correctness check: bf16, fp32 or both "
                    "(fp32 compiles its own kernels: about a minute more)")
     args = p.parse_args(argv)

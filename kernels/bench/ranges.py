@@ -19,13 +19,12 @@ Writes results.csv, results.json and table.md to --out.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
 
 import kernels
-from kernels.bench import Results, int_list, meta, rel, second_order_call, time_ms
+from kernels.bench import Results, int_list, meta, rel, second_order_call, sweep_parser, time_ms
 
 SETTINGS = ("none", "full", "left")
 LEFT_PAD_FRACTIONS = (0, 1 / 8, 1 / 4, 1 / 2)
@@ -134,13 +133,7 @@ def markdown_table(rows: list[dict], meta: dict) -> str:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m kernels.bench ranges", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--n", default="4096,16384", help="comma-separated sequence lengths")
-    p.add_argument("--d", default="64,128", help="comma-separated head dims")
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--budget", type=float, default=0.3, help="seconds of timed calls per measurement")
-    p.add_argument("--out", default="key_ranges_out", help="output directory")
+    p = sweep_parser("ranges", __doc__, n="4096,16384", budget=0.3, out="key_ranges_out")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("python -m kernels.bench ranges needs a CUDA GPU")

@@ -20,7 +20,6 @@ For the baselines' BoB we report time and memory only.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -37,6 +36,7 @@ from kernels.bench import (
     random_inputs,
     sdpa_attention,
     second_order_call,
+    sweep_parser,
     sync_time,
     tflops,
     time_ms,
@@ -198,18 +198,12 @@ def plot(rows: list[dict], path: str) -> None:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m kernels.bench speed", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--n", default="1024,4096,16384", help="comma-separated sequence lengths")
-    p.add_argument("--d", default="64,128", help="comma-separated head dims")
+    p = sweep_parser("speed", __doc__, n="1024,4096,16384", budget=1.0, out="bench_out")
     p.add_argument("--mask", default="causal,full", help="comma-separated: full, causal, windowW")
     p.add_argument("--dtype", default="bf16", help="comma-separated: bf16, fp16, fp32")
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=8)
     p.add_argument("--baselines", default="flash,naive,sdpa_math",
                    help="comma-separated subset of flash, naive, sdpa_math ('' for none)")
-    p.add_argument("--budget", type=float, default=1.0, help="seconds of timed calls per measurement")
-    p.add_argument("--out", default="bench_out", help="output directory")
     args = p.parse_args(argv)
     args.baselines = {x for x in args.baselines.split(",") if x}
     unknown = args.baselines - {"flash", "naive", "sdpa_math"}
