@@ -1,13 +1,14 @@
-"""The memory options of a TTT read (fused head + loss, prefix recomputation, chunk and segment
-recomputation) leave losses and outer gradients unchanged, alone and combined, in float64, second
-and first order; `linear_cross_entropy` against F.cross_entropy through its second derivative."""
+"""The memory options of a TTT read (fused head + loss, prefix recomputation, chunk recomputation)
+each lower its peak memory and leave losses and outer gradients unchanged, alone and combined, in
+float64, second and first order; `linear_cross_entropy` against F.cross_entropy through its second
+derivative."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from ttt.experiments.memory_meters import LiveTensorMeter
 from ttt.inner import InnerLoopConfig
-from ttt.memory import MemoryConfig, NeuralMemoryTransformer
 from ttt.models import Transformer, TransformerConfig
 from ttt.models.linear_cross_entropy import linear_cross_entropy
 from ttt.ttt_layers import TTTConfig, TTTTransformer
@@ -66,12 +67,15 @@ def test_linear_cross_entropy_refuses_mismatched_inputs():
         linear_cross_entropy(hidden, weight, torch.zeros(2, 3, dtype=torch.int32))
 
 
-def make_ttt(*, fused_loss, checkpoint_prefix, checkpoint, checkpoint_segment, tie=False, first_order=False):
+def make_ttt(
+    *, fused_loss=False, checkpoint_prefix=False, checkpoint=False, tie=False, first_order=False,
+    vocab=37, n_layers=3, chunk_len=4,
+):  # fmt: skip
     torch.manual_seed(0)
     cfg = TransformerConfig(
-        vocab_size=37,
+        vocab_size=vocab,
         d_model=16,
-        n_layers=3,
+        n_layers=n_layers,
         n_heads=2,
         n_kv_heads=1,
         d_ff=24,
@@ -80,11 +84,7 @@ def make_ttt(*, fused_loss, checkpoint_prefix, checkpoint, checkpoint_segment, t
         tie_embeddings=tie,
     )
     ttt = TTTConfig(
-        suffix_len=2,
-        chunk_len=4,
-        fused_loss=fused_loss,
-        checkpoint_prefix=checkpoint_prefix,
-        checkpoint_segment=checkpoint_segment,
+        suffix_len=2, chunk_len=chunk_len, fused_loss=fused_loss, checkpoint_prefix=checkpoint_prefix
     )
     inner = InnerLoopConfig(
         params=["layers.*.ttt_mlp.*"],
@@ -107,36 +107,25 @@ def losses_and_grads(model, tokens):
     return losses.detach(), grads
 
 
-OPTIONS = {  # each option alone, then all together (fused loss, prefix, (chunk checkpoint, segment), tied)
-    "fused_loss": (True, False, (False, 0), False),
-    "fused_loss_tied": (True, False, (False, 0), True),
-    "prefix": (False, True, (False, 0), False),
-    "chunks": (False, False, (True, 0), False),
-    "segments": (False, False, (True, 2), False),
-    "all": (True, True, (True, 2), False),
-    "all_tied": (True, True, (True, 3), True),
+OPTIONS = {  # each option alone, then all together: (fused loss, prefix, chunk checkpoint, tied head)
+    "fused_loss": (True, False, False, False),
+    "fused_loss_tied": (True, False, False, True),
+    "prefix": (False, True, False, False),
+    "chunks": (False, False, True, False),
+    "all": (True, True, True, False),
+    "all_tied": (True, True, True, True),
 }
 
 
 @pytest.mark.parametrize(
-    "fused_loss, checkpoint_prefix, chunk_checkpoint, tie", OPTIONS.values(), ids=OPTIONS.keys()
+    "fused_loss, checkpoint_prefix, checkpoint, tie", OPTIONS.values(), ids=OPTIONS.keys()
 )
 def test_memory_options_leave_losses_and_second_order_gradients_unchanged(
-    fused_loss, checkpoint_prefix, chunk_checkpoint, tie
+    fused_loss, checkpoint_prefix, checkpoint, tie
 ):
     tokens = torch.randint(0, 37, (2, 23), generator=torch.Generator().manual_seed(3))
-    plain = make_ttt(
-        fused_loss=False, checkpoint_prefix=False, checkpoint=False, checkpoint_segment=0, tie=tie
-    )
-    checkpoint, segment = chunk_checkpoint
-    options = dict(
-        fused_loss=fused_loss,
-        checkpoint_prefix=checkpoint_prefix,
-        checkpoint=checkpoint,
-        checkpoint_segment=segment,
-        tie=tie,
-    )
-    want_losses, want_grads = losses_and_grads(plain, tokens)
+    options = dict(fused_loss=fused_loss, checkpoint_prefix=checkpoint_prefix, checkpoint=checkpoint, tie=tie)
+    want_losses, want_grads = losses_and_grads(make_ttt(tie=tie), tokens)
     got_losses, got_grads = losses_and_grads(make_ttt(**options), tokens)
     torch.testing.assert_close(got_losses, want_losses, rtol=1e-12, atol=1e-12)
     for got, want in zip(got_grads, want_grads):
@@ -148,39 +137,33 @@ def test_memory_options_leave_losses_and_second_order_gradients_unchanged(
 
 def test_memory_options_keep_first_order_gradients():
     tokens = torch.randint(0, 37, (2, 23), generator=torch.Generator().manual_seed(4))
-    plain = make_ttt(
-        fused_loss=False, checkpoint_prefix=False, checkpoint=False, checkpoint_segment=0, first_order=True
-    )
-    model = make_ttt(
-        fused_loss=True, checkpoint_prefix=True, checkpoint=True, checkpoint_segment=3, first_order=True
-    )
+    plain = make_ttt(first_order=True)
+    model = make_ttt(fused_loss=True, checkpoint_prefix=True, checkpoint=True, first_order=True)
     for got, want in zip(losses_and_grads(model, tokens)[1], losses_and_grads(plain, tokens)[1]):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("option", ["fused_loss", "checkpoint_prefix", "checkpoint"])
+def test_each_memory_option_lowers_the_peak_of_a_second_order_read(option):
+    """Every tensor a read and its outer backward create, while it lives (`LiveTensorMeter`): a
+    4,096-token vocabulary (the fused loss's term), 6 blocks (the prefix's) and 12 chunks (the chunks')."""
+    tokens = torch.randint(0, 4096, (2, 96), generator=torch.Generator().manual_seed(6))
+
+    def peak(**options):
+        model = make_ttt(vocab=4096, n_layers=6, chunk_len=8, **options)
+        with LiveTensorMeter() as meter:
+            model.token_losses(tokens).mean().backward()
+        return meter.peak_bytes
+
+    assert peak(**{option: True}) < peak()  # byte counts: no noise, a no-op option ties
+
+
 def test_logits_are_kept_by_the_plain_head_when_asked_for():
     tokens = torch.randint(0, 37, (2, 11), generator=torch.Generator().manual_seed(5))
-    model = make_ttt(fused_loss=True, checkpoint_prefix=False, checkpoint=False, checkpoint_segment=0)
+    model = make_ttt(fused_loss=True)
     logits, losses = model.read(tokens, keep_logits=True)
     assert logits.shape == (2, 11, 37)
     torch.testing.assert_close(losses, model.token_losses(tokens), rtol=1e-12, atol=1e-12)
-
-
-def test_segment_recomputation_is_refused_for_a_shared_prefix_buffer():
-    torch.manual_seed(0)
-    cfg = TransformerConfig(vocab_size=37, d_model=16, n_layers=2, n_heads=2, window=None, attention="eager")
-    model = NeuralMemoryTransformer(
-        Transformer(cfg),
-        TTTConfig(suffix_len=1, chunk_len=4, extra_mlp=False, checkpoint_segment=2),
-        MemoryConfig(checkpoint=True),
-    )
-    with pytest.raises(ValueError, match="ttt.checkpoint_segment"):
-        model.token_losses(torch.randint(0, 37, (1, 12)))
-
-
-def test_bad_checkpoint_segment_is_named():
-    with pytest.raises(ValueError, match="ttt.checkpoint_segment"):
-        TTTConfig(checkpoint_segment=-1)
 
 
 @pytest.mark.gpu

@@ -98,7 +98,7 @@ def measure(overrides: list[str], steps: int) -> dict:
     extra = sum(p.numel() for name, p in module.model.named_parameters() if ".ttt_mlp." in name)
     row = {
         "recipe": cfg.recipe,
-        "overrides": overrides[1:],
+        "overrides": [item for item in overrides if not item.startswith("recipe=")],
         "sequences": rows,
         "seq_len": seq_len,
         "tokens_in_flight": per_pass * seq_len,

@@ -37,11 +37,6 @@ class TTTConfig:
     checkpoint_prefix: bool = False
     """Recompute each prefix block (the blocks before the suffix) in the outer backward: only its input
     is saved, one (sequences, seq_len, d_model) tensor a block, for one more forward of the prefix."""
-    checkpoint_segment: int = 0
-    """With the inner loop's checkpointing (inner.checkpoint / memory.checkpoint): also recompute runs of
-    this many chunks, so that the carry (fast weights, caches) of only every checkpoint_segment-th chunk
-    stays saved, plus those of the one run being recomputed; costs one more forward of every chunk.
-    0: off (every chunk's carry saved)."""
 
     def __post_init__(self):
         if self.suffix_len < 1:
@@ -58,8 +53,6 @@ class TTTConfig:
             raise ValueError(
                 f"ttt.sequences_per_pass must be a positive int or null, got {self.sequences_per_pass}"
             )
-        if self.checkpoint_segment < 0:
-            raise ValueError(f"ttt.checkpoint_segment must be an int >= 0, got {self.checkpoint_segment}")
         if not 0 <= self.lr_warmup_start <= 1:
             raise ValueError(f"ttt.lr_warmup_start must be in [0, 1], got {self.lr_warmup_start}")
 

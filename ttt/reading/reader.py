@@ -114,11 +114,9 @@ class ChunkedReader(nn.Module):
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The chunked reading of tokens (B, N) (module docstring). Returns (logits (B, N, V) or None
         unless keep_logits, next-token losses (B, N - 1)). options go to every `_read_chunk`; lr_scale to
-        `_initial_state`; checkpoint: recompute each chunk in the outer backward (with outer_grad only),
-        and with ttt.checkpoint_segment = k also each run of k chunks, so that only every k-th chunk's
-        carry stays saved outside the segment being recomputed; outer_grad=False detaches every chunk
-        (evaluation: memory stays flat). ttt.checkpoint_prefix recomputes each prefix block in the
-        outer backward (only its input is saved)."""
+        `_initial_state`; checkpoint: recompute each chunk in the outer backward (with outer_grad only);
+        outer_grad=False detaches every chunk (evaluation: memory stays flat). ttt.checkpoint_prefix
+        recomputes each prefix block in the outer backward (only its input is saved)."""
         batch, n = tokens.shape
         cos, sin = rope_cos_sin(
             n, self.cfg.head_dim, self.cfg.rope_theta, tokens.device, self.cfg.rope_scaling
@@ -133,48 +131,8 @@ class ChunkedReader(nn.Module):
         carry = self._initial_state(batch, lr_scale=lr_scale)
         if not outer_grad:
             carry = self._detached(carry)
-        caches = [block.initial_cache(n) for block in self.suffix]
-        starts = range(0, n, self.ttt_cfg.chunk_len)
-        checkpoint = checkpoint and outer_grad
-        per_segment = self.ttt_cfg.checkpoint_segment if checkpoint else 0
-        if per_segment and any(cache is not None for cache in caches):
-            raise ValueError(
-                "ttt.checkpoint_segment needs key/value caches rebuilt chunk by chunk; this model's "
-                "blocks share one prefix buffer across the read (full causal attention): set it to 0"
-            )
-        all_logits, all_losses = [], []
-        for first in range(0, len(starts), per_segment or len(starts)):
-            segment = tuple(starts[first : first + per_segment] if per_segment else starts)
-            args = (
-                segment,
-                carry,
-                caches,
-                hidden,
-                tokens,
-                cos,
-                sin,
-                keep_logits,
-                checkpoint,
-                outer_grad,
-                options,
-            )
-            logits, losses, caches, carry = maybe_checkpoint(
-                self._read_segment, *args, enabled=bool(per_segment)
-            )
-            all_logits += logits
-            all_losses += losses
-        return (torch.cat(all_logits, dim=1) if keep_logits else None), torch.cat(all_losses, dim=1)
-
-    def _read_segment(
-        self, starts, carry, caches, hidden, tokens, cos, sin, keep_logits, checkpoint, outer_grad, options
-    ) -> tuple[list, list, list, Carry]:
-        """`_read_chunk` on the chunks that begin at `starts`, in order, each recomputed in the outer
-        backward when `checkpoint`; hidden (B, N, d_model), tokens (B, N) and cos, sin (N, head_dim) are
-        the whole read's. Returns (the chunks' logits or Nones, their losses, caches, carry after the
-        last one)."""
-        n = tokens.shape[1]
-        all_logits, all_losses = [], []
-        for start in starts:
+        caches, all_logits, all_losses = [block.initial_cache(n) for block in self.suffix], [], []
+        for start in range(0, n, self.ttt_cfg.chunk_len):
             end = min(start + self.ttt_cfg.chunk_len, n)
             args = (
                 carry,
@@ -187,14 +145,16 @@ class ChunkedReader(nn.Module):
                 keep_logits,
                 *options,
             )
-            logits, losses, caches, carry = maybe_checkpoint(self._read_chunk, *args, enabled=checkpoint)
+            logits, losses, caches, carry = maybe_checkpoint(
+                self._read_chunk, *args, enabled=checkpoint and outer_grad
+            )
             if not outer_grad:
                 logits, losses = (None if logits is None else logits.detach()), losses.detach()
                 caches = [detach_cache(cache) for cache in caches]
                 carry = self._detached(carry)
             all_logits.append(logits)
             all_losses.append(losses)
-        return all_logits, all_losses, caches, carry
+        return (torch.cat(all_logits, dim=1) if keep_logits else None), torch.cat(all_losses, dim=1)
 
     def token_losses(self, tokens: torch.Tensor, **options) -> torch.Tensor:
         """Next-token losses of every position, tokens (B, N) int64 -> (B, N - 1) float32; options as

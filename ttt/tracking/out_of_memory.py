@@ -8,14 +8,13 @@ from typing import Any
 MEMORY_KEYS = (
     # (key, value that saves memory, what it costs), most effective and cheapest first
     ("ttt.fused_loss", True, "none: exact; the head and loss in blocks of rows, no float32 logits kept"),
-    ("ttt.checkpoint_prefix", True, "one more forward of the prefix blocks (~10% of a TTT step)"),
+    (
+        "ttt.checkpoint_prefix",
+        True,
+        "one more forward of the prefix blocks (3% of the 125M step, docs/scale.md)",
+    ),
     ("inner.checkpoint", True, "one more forward and inner step of every chunk in the outer backward"),
     ("memory.checkpoint", True, "one more forward and write of every chunk in the outer backward"),
-    (
-        "ttt.checkpoint_segment",
-        8,
-        "with inner.checkpoint: one more forward of every chunk; carries saved for every 8th chunk only",
-    ),  # fmt: skip
     ("trainer.precision", "bf16-mixed", "bf16 products instead of float32"),
 )
 
@@ -43,7 +42,7 @@ def out_of_memory_advice(cfg: Any, error: BaseException) -> str:
     ]
     for key, saving, cost in MEMORY_KEYS:
         now = _get(cfg, key)
-        if now is not _MISSING and now != saving and not (key == "ttt.checkpoint_segment" and now):
+        if now is not _MISSING and now != saving:
             lines.append(f"  {key}: {now} -> {saving}; {cost}")
     per_pass = _get(cfg, "ttt.sequences_per_pass")
     batch = _get(cfg, "trainer.meta_batch_size")
