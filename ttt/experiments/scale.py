@@ -3,7 +3,7 @@ Lightning training step on random tokens (time and memory do not depend on the v
 without the second-order term.
 
     python -m ttt.experiments.scale recipe=ttt_e2e_125m [key=value ...] [--steps 3]
-        [--modes second,first,off] [--out results.jsonl]
+        [--modes second,first,off] [--out results.jsonl] [--profile]
 
 Modes: second (the recipe as configured: exact second order), first (inner.first_order=true), off
 (ttt.enabled=false: the same model without test-time training). Each mode builds the learner afresh,
@@ -15,6 +15,8 @@ runs one warm-up outer step (compilation) and --steps timed ones. One JSON line 
     mib_per_token     peak_gib / tokens_in_flight, in MiB
     model_tflop       model FLOPs of one outer step (`model_flops_per_sequence`), in TFLOP
     mfu               model_tflop / s_per_step / the accelerator's dense bf16 peak (`PEAK_TFLOPS`)
+    profile           with --profile: one more step's CUDA kernel time by category and its largest
+                      kernels (`ttt.experiments.step_profile`), after the timed steps
 A mode that runs out of memory gives status "oom" and the next mode runs.
 """
 
@@ -35,6 +37,7 @@ from ttt.models import TransformerConfig
 from ttt.tracking import OuterStepTimer
 
 from .meta_step_probe import is_out_of_memory
+from .step_profile import StepProfiler
 
 MODES = {"second": [], "first": ["inner.first_order=true"], "off": ["ttt.enabled=false"]}
 """Each mode's overrides on top of the command line's."""
@@ -82,8 +85,9 @@ def peak_tflops() -> float | None:
     return next((peak for key, peak in PEAK_TFLOPS.items() if key in name), None)
 
 
-def measure(overrides: list[str], steps: int) -> dict:
-    """One mode: build the recipe's learner, train warm-up + `steps` outer steps on random tokens."""
+def measure(overrides: list[str], steps: int, profile: bool = False) -> dict:
+    """One mode: build the recipe's learner, train warm-up + `steps` outer steps on random tokens;
+    profile: also profile one more step after the timed ones (`StepProfiler`; not in s_per_step)."""
     from recipes import load_builder
 
     cfg = load_config(overrides)
@@ -106,8 +110,9 @@ def measure(overrides: list[str], steps: int) -> dict:
         "model_tflop": rows * model_flops_per_sequence(model_cfg, seq_len, extra) / 1e12,
     }
     timer = OuterStepTimer(warmup=1)
+    profiler = StepProfiler(step=1 + steps) if profile else None
     trainer = pl.Trainer(
-        max_steps=1 + steps,
+        max_steps=1 + steps + (1 if profile else 0),
         accelerator=cfg.trainer.accelerator,
         devices=1,
         precision=cfg.trainer.precision,
@@ -118,7 +123,7 @@ def measure(overrides: list[str], steps: int) -> dict:
         limit_val_batches=0,
         num_sanity_val_steps=0,
         inference_mode=False,
-        callbacks=[timer],
+        callbacks=[timer] if profiler is None else [timer, profiler],
     )
     data = DataLoader(RandomTokens(model_cfg.vocab_size, rows, seq_len, cfg.seed), batch_size=None)
     try:
@@ -128,7 +133,8 @@ def measure(overrides: list[str], steps: int) -> dict:
             raise
         peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
         return {**row, "status": "oom", "peak_gib": peak, "error": str(err).splitlines()[0]}
-    seconds = timer.time_per_outer_step()
+    timed = timer.durations[1 : 1 + steps]
+    seconds = sum(timed) / len(timed)
     peak, top = timer.peak_memory_gib, peak_tflops()
     row.update(
         status="ok",
@@ -139,6 +145,8 @@ def measure(overrides: list[str], steps: int) -> dict:
         mib_per_token=None if peak is None else peak * 1024 / row["tokens_in_flight"],
         mfu=None if top is None else row["model_tflop"] / seconds / top,
     )
+    if profiler is not None:
+        row["profile"] = profiler.summary
     return row
 
 
@@ -158,13 +166,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=3, help="timed outer steps after one warm-up step")
     parser.add_argument("--modes", default="second,first,off", help=f"comma-separated, of {list(MODES)}")
     parser.add_argument("--out", help="append one JSON line per mode to this file")
+    parser.add_argument("--profile", action="store_true", help="profile the first timed step's kernels")
     args = parser.parse_intermixed_args(argv)
     modes = args.modes.split(",")
     unknown = [mode for mode in modes if mode not in MODES]
     if unknown or args.steps < 1:
         parser.error(f"--modes must be of {list(MODES)} (got {unknown}), --steps >= 1 (got {args.steps})")
     for mode in modes:
-        row = {"mode": mode, **measure(args.overrides + MODES[mode], args.steps)}
+        row = {"mode": mode, **measure(args.overrides + MODES[mode], args.steps, args.profile)}
         line = json.dumps(row)
         print(line, flush=True)
         if args.out:
