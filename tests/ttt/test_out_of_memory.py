@@ -22,6 +22,7 @@ def test_out_of_memory_names_the_recipes_memory_keys(monkeypatch, capsys):
         "ttt.fused_loss: False -> True",
         "ttt.checkpoint_prefix: False -> True",
         "inner.checkpoint: False -> True",
+        "ttt.checkpoint_segment: null -> 8",
         "ttt.sequences_per_pass: 16 -> 8",
         "data.seq_len: 8192",
         "inner.first_order: false -> true",
@@ -38,3 +39,5 @@ def test_keys_already_saving_memory_and_keys_a_recipe_lacks_are_not_suggested():
     advice = out_of_memory_advice(cfg, torch.OutOfMemoryError("oom"))
     assert "ttt.checkpoint_prefix" not in advice and "ttt.sequences_per_pass" not in advice
     assert "inner.checkpoint" not in advice  # the recipe recomputes its chunks already
+    cfg = load_config(["recipe=ttt_e2e_125m", "ttt.checkpoint_segment=4"])
+    assert "ttt.checkpoint_segment" not in out_of_memory_advice(cfg, torch.OutOfMemoryError("oom"))

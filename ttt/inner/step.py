@@ -69,13 +69,19 @@ def inner_step(
     return optimizer.step(params, grads, state, lrs)
 
 
-def maybe_checkpoint(fn: Callable[..., Any], *args: Any, enabled: bool) -> Any:
+def maybe_checkpoint(
+    fn: Callable[..., Any], *args: Any, enabled: bool, context_fn: Callable[[], tuple] | None = None
+) -> Any:
     """fn(*args), recomputed in the backward instead of storing its activations when `enabled`
     (non-reentrant activation checkpointing, so inner `autograd.grad` calls inside fn work). fn must
-    depend only on its arguments (bind loop variables as arguments, not through a closure)."""
+    depend only on its arguments (bind loop variables as arguments, not through a closure).
+    context_fn: torch.utils.checkpoint's (a pair of context managers, for the forward and for the
+    recomputation), e.g. `linear_cross_entropy.recompute_contexts`."""
     if not enabled:
         return fn(*args)
-    return checkpoint(fn, *args, use_reentrant=False)
+    if context_fn is None:
+        return checkpoint(fn, *args, use_reentrant=False)
+    return checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn)
 
 
 def expand_rows(params: Mapping[str, torch.Tensor], rows: int) -> Tensors:

@@ -1,32 +1,48 @@
 """`linear_cross_entropy`: the output head and the next-token loss in one op whose first and second
-derivatives are exact and which never holds the logits of more than one block of rows.
+derivatives are exact, which never holds the logits of more than one block of rows, and which runs
+as few products over the vocabulary as the second-order step allows.
 
 Per row t (hidden h_t (d,), target y_t), with the head weight W (V, d):
 
     z_t = W h_t                 logits (V,)
     loss_t = lse_t - z_t[y_t]   lse_t = logsumexp(z_t); p_t = softmax(z_t) = exp(z_t - lse_t)
+    G_t = W^T (p_t - e_{y_t})   (d,): the gradient of loss_t in h_t
 
-Backward, given g_t = dOut/dloss_t:
+The forward computes G beside the losses (one more product, in the same pass over the logits) and
+keeps it: a gradient in the hidden states, which is what an inner step of test-time training takes,
+is then g_t G_t, element-wise, with no product over the vocabulary. G is an output of the op, so a
+second derivative reaches it like any other output.
 
-    dz_t = g_t (p_t - e_{y_t});  grad_h_t = W^T dz_t;  grad_W = sum_t dz_t h_t^T.
+Backward, given g_t = dOut/dloss_t and c_t = dOut/dG_t (c is None unless a gradient of the op was
+itself differentiated):
 
-The backward is itself an op (`_LinearCrossEntropyBackward`) with inputs (h, W, g), so test-time
-training can differentiate an inner gradient (create_graph=True). Its own backward, given the
-cotangents a_t of grad_h_t and B of grad_W, uses u_t = W a_t + B h_t (V,) and s_t = p_t . u_t:
+    c = None:  grad_h_t = g_t G_t (element-wise, differentiable: it uses the output G)
+               grad_W = sum_t g_t (p_t - e_{y_t}) h_t^T                       (`_WeightGrad`)
+    c given:   u_t = W c_t (V,), s_t = p_t . u_t, r_t = g_t (p_t - e_{y_t}) + p_t * (u_t - s_t)
+               grad_h_t = W^T r_t;  grad_W = sum_t r_t h_t^T + (p_t - e_{y_t}) c_t^T   (`_JointBackward`)
 
-    d/dg_t = s_t - u_t[y_t]
-    r_t    = g_t p_t * (u_t - s_t)                   (the softmax Jacobian applied to g_t u_t)
-    d/dh_t = W^T r_t + B^T dz_t
-    d/dW   = sum_t r_t h_t^T + dz_t a_t^T
+(dG_t/dz_t applied to c_t is the softmax Jacobian applied to u_t; W also enters G directly, whence
+the (p - e) c^T term.) `_WeightGrad` is differentiable once more: given the cotangent B of grad_W,
+with u'_t = B h_t and s'_t = p_t . u'_t,
+
+    d/dg_t = s'_t - u'_t[y_t];  d/dh_t = W^T [g_t p_t * (u'_t - s'_t)] + B^T g_t (p_t - e_{y_t})
+    d/dW   = sum_t g_t p_t * (u'_t - s'_t) h_t^T.
+
+Products over the vocabulary per call (each a (rows, V, d) product): forward 2; an inner step's
+gradient in h 0; a first-order backward with the weight's gradient 2; the backward of a second-order
+graph (losses and G both reached) 5. A third derivative is not provided.
+
+Under activation checkpointing, `recompute_contexts` (a `context_fn` for torch.utils.checkpoint) keeps
+each forward's outputs (lse, losses and G: O(rows * d)) and hands them back when the checkpointed
+region is recomputed, so the recomputation runs no product over the vocabulary either.
 
 Every pass walks the rows in blocks of at most `block_bytes` of float32 logits and recomputes z from
-h and W (lse, one float per row, is the only thing kept from the forward), so memory is O(rows * d +
-block) instead of the O(rows * V) float32 logits, softmax and their gradients that autograd keeps
-for F.cross_entropy (twice over in a second-order graph). The matrix products run in the autocast
-dtype when autocast is on (as F.linear would), the softmax arithmetic in float32 (float64 for float64
-inputs), and on CUDA the element-wise work of a block (softmax, its gradients) is one compiled
-kernel or two that read the block's logits once (`torch.compile`), not a chain of float32 passes.
-A third derivative is not provided (once_differentiable).
+h and W (lse, one float per row, and G, one (d,) vector per row, are what the forward keeps), so
+memory is O(rows * d + block) instead of the O(rows * V) float32 logits, softmax and their gradients
+that autograd keeps for F.cross_entropy (twice over in a second-order graph). The matrix products run
+in the autocast dtype when autocast is on (as F.linear would), the softmax arithmetic in float32
+(float64 for float64 inputs), and on CUDA the element-wise work of a block is one compiled kernel or
+two that read the block's logits once (`torch.compile`), not a chain of float32 passes.
 """
 
 from __future__ import annotations
@@ -72,10 +88,10 @@ def linear_cross_entropy(
     loss_dtype = torch.promote_types(compute_dtype, torch.float32)
     block_rows = max(1, block_bytes // (4 * weight.shape[0]))
     config = _Config(compute_dtype, loss_dtype, block_rows)
-    flat = _LinearCrossEntropy.apply(
+    losses, _ = _LinearCrossEntropy.apply(
         hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), config
     )
-    return flat.view(targets.shape)
+    return losses.view(targets.shape)
 
 
 class _Config:
@@ -93,18 +109,20 @@ class _Config:
         return (slice(start, min(start + self.block_rows, rows)) for start in range(0, rows, self.block_rows))
 
 
-def _row_stats(logits: torch.Tensor, targets: torch.Tensor, loss_dtype: torch.dtype):
-    """logits (R, V) -> (lse (R,), losses (R,)) in loss_dtype."""
-    z = logits.to(loss_dtype)
-    lse = torch.logsumexp(z, dim=1)
-    return lse, lse - z.gather(1, targets[:, None])[:, 0]
-
-
 def _softmax_minus_target(logits, lse, targets):
-    """(p - onehot(targets)) (R, V) in lse's dtype, p the softmax of logits (R, V) given lse (R,)."""
+    """(p, p - onehot(targets)) (R, V) in lse's dtype, p the softmax of logits (R, V) given lse (R,)."""
     p = torch.exp(logits.to(lse.dtype) - lse[:, None])
     hit = torch.arange(logits.shape[1], device=logits.device) == targets[:, None]
     return p, p - hit.to(p.dtype)
+
+
+def _forward_terms(logits, targets, loss_dtype: torch.dtype):
+    """logits z (R, V) -> (lse (R,), losses (R,)) in loss_dtype, and p - onehot(targets) (R, V) in
+    logits' dtype (the operand of G's product)."""
+    z = logits.to(loss_dtype)
+    lse = torch.logsumexp(z, dim=1)
+    losses = lse - z.gather(1, targets[:, None])[:, 0]
+    return lse, losses, _softmax_minus_target(logits, lse, targets)[1].to(logits.dtype)
 
 
 def _logit_grad(logits, lse, targets, grad):
@@ -112,11 +130,21 @@ def _logit_grad(logits, lse, targets, grad):
     return (_softmax_minus_target(logits, lse, targets)[1] * grad[:, None].to(lse.dtype)).to(logits.dtype)
 
 
-def _logit_second(logits, u, u_more, lse, targets, grad):
-    """The double backward's per-block terms from logits z (R, V), u = W a_t (+ u_more = B h_t) (R, V):
-    (r = g p (u - p.u), dz = g (p - onehot), both in logits' dtype, d/dg = p.u - u[y] (R,))."""
+def _joint_terms(logits, u, lse, targets, grad):
+    """`_JointBackward`'s per-block terms from logits z (R, V) and u = W c (R, V): (r = grad (p - onehot)
+    + p (u - p.u), p - onehot), both (R, V) in logits' dtype."""
     p, p_minus = _softmax_minus_target(logits, lse, targets)
-    u = u.to(lse.dtype) if u_more is None else u.to(lse.dtype) + u_more.to(lse.dtype)
+    u = u.to(lse.dtype)
+    s = (p * u).sum(1, keepdim=True)
+    r = p_minus * grad[:, None].to(lse.dtype) + p * (u - s)
+    return r.to(logits.dtype), p_minus.to(logits.dtype)
+
+
+def _weight_grad_second(logits, u, lse, targets, grad):
+    """`_WeightGrad`'s backward terms from logits z (R, V) and u' = B h (R, V): (g p (u' - p.u'),
+    g (p - onehot)), both (R, V) in logits' dtype, and d/dg = p.u' - u'[y] (R,)."""
+    p, p_minus = _softmax_minus_target(logits, lse, targets)
+    u = u.to(lse.dtype)
     g = grad[:, None].to(lse.dtype)
     s = (p * u).sum(1, keepdim=True)
     d_grad = s[:, 0] - u.gather(1, targets[:, None])[:, 0]
@@ -143,9 +171,10 @@ class _CompiledOnCuda:
             return self.fn(*args)
 
 
-row_stats = _CompiledOnCuda(_row_stats)
+forward_terms = _CompiledOnCuda(_forward_terms)
 logit_grad = _CompiledOnCuda(_logit_grad)
-logit_second = _CompiledOnCuda(_logit_second)
+joint_terms = _CompiledOnCuda(_joint_terms)
+weight_grad_second = _CompiledOnCuda(_weight_grad_second)
 
 
 def _will_run(node) -> bool:
@@ -169,90 +198,179 @@ def _gradient_node(tensor: torch.Tensor):
         return None
 
 
+class _ForwardCache:
+    """The outputs (lse, losses, G) of the forwards run while recording, in order; while replaying,
+    each forward takes the next instead of computing it (from the first again at each replay: a
+    region may be recomputed more than once)."""
+
+    def __init__(self):
+        self.entries: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.replaying, self.cursor = False, 0
+
+    def take(self, rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The next recorded (lse, losses, G) for a call on `rows` rows on `device`."""
+        if self.cursor >= len(self.entries):
+            raise RuntimeError("linear_cross_entropy: the recomputation runs a forward that was not recorded")
+        entry = self.entries[self.cursor]
+        if entry[0].shape[0] != rows or entry[0].device != device:
+            raise RuntimeError(
+                "linear_cross_entropy: the recomputation's forward differs from the recorded one "
+                f"({rows} rows on {device}, recorded {entry[0].shape[0]} on {entry[0].device})"
+            )
+        self.cursor += 1
+        return tuple(tensor.detach() for tensor in entry)  # fresh aliases: each becomes an output
+
+
+_ACTIVE_CACHES: list[_ForwardCache] = []
+"""The caches of the checkpointed regions running now, innermost last (module-wide, not per thread:
+the backward that recomputes a region may run on another thread than its forward)."""
+
+
+class _CacheContext:
+    """Makes `cache` the active one, recording (replaying=False: from empty) or replaying (from its
+    first entry); re-entrant, as the recomputation context of a checkpoint must be."""
+
+    def __init__(self, cache: _ForwardCache, replaying: bool):
+        self.cache, self.replaying = cache, replaying
+
+    def __enter__(self):
+        self.cache.replaying, self.cache.cursor = self.replaying, 0
+        if not self.replaying:
+            self.cache.entries.clear()
+        _ACTIVE_CACHES.append(self.cache)
+
+    def __exit__(self, *exc):
+        _ACTIVE_CACHES.remove(self.cache)
+        return False
+
+
+def recompute_contexts() -> tuple[_CacheContext, _CacheContext]:
+    """`context_fn` for torch.utils.checkpoint (non-reentrant): the first context records the outputs
+    of every `linear_cross_entropy` forward of the region, the second (the recomputation) hands them
+    back in the same order instead of recomputing them. Same values; O(rows * d) kept per call."""
+    cache = _ForwardCache()
+    return _CacheContext(cache, replaying=False), _CacheContext(cache, replaying=True)
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
-    """hidden (M, d), weight (V, d), targets (M,) -> losses (M,); backward: `_LinearCrossEntropyBackward`."""
+    """hidden (M, d), weight (V, d), targets (M,) -> (losses (M,), G (M, d) in the compute dtype:
+    G_t = W^T (p_t - e_{y_t})); backward: module docstring."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, config):
-        losses = hidden.new_empty(hidden.shape[0], dtype=config.loss_dtype)
-        lse = torch.empty_like(losses)
-        with torch.autocast(hidden.device.type, enabled=False):
-            h, w_t = config.cast(hidden), config.cast(weight).t()
-            for rows in config.blocks(hidden.shape[0]):
-                lse[rows], losses[rows] = row_stats(h[rows] @ w_t, targets[rows], config.loss_dtype)
-        ctx.save_for_backward(hidden, weight, targets, lse)
+        cache = _ACTIVE_CACHES[-1] if _ACTIVE_CACHES else None
+        if cache is not None and cache.replaying:
+            lse, losses, grad_dir = cache.take(hidden.shape[0], hidden.device)
+        else:
+            lse, losses, grad_dir = _forward(hidden, weight, targets, config)
+            if cache is not None:  # aliases: the outputs themselves would keep this node's graph alive
+                cache.entries.append((lse, losses.detach(), grad_dir.detach()))
+        ctx.save_for_backward(hidden, weight, targets, lse, grad_dir)
+        ctx.set_materialize_grads(False)
         ctx.config, ctx.weight_node = config, _gradient_node(weight)
-        return losses
+        return losses, grad_dir
 
     @staticmethod
-    def backward(ctx, grad_losses):
-        hidden, weight, targets, lse = ctx.saved_tensors
-        want = (ctx.needs_input_grad[0], ctx.needs_input_grad[1] and _will_run(ctx.weight_node))
-        grad_hidden, grad_weight = _LinearCrossEntropyBackward.apply(
-            hidden, weight, targets, lse, grad_losses, ctx.config, want
+    def backward(ctx, grad_losses, grad_dir_cot):
+        hidden, weight, targets, lse, grad_dir = ctx.saved_tensors
+        want_hidden = ctx.needs_input_grad[0]
+        want_weight = ctx.needs_input_grad[1] and _will_run(ctx.weight_node)
+        if grad_dir_cot is not None:
+            if grad_losses is None:
+                grad_losses = torch.zeros_like(lse)
+            want = (want_hidden, want_weight)
+            grad_hidden, grad_weight = _JointBackward.apply(
+                hidden, weight, targets, lse, grad_losses, grad_dir_cot, ctx.config, want
+            )
+            return grad_hidden, grad_weight, None, None
+        if grad_losses is None:
+            return None, None, None, None
+        grad_hidden = grad_losses[:, None] * grad_dir if want_hidden else None
+        grad_weight = (
+            _WeightGrad.apply(hidden, weight, targets, lse, grad_losses, ctx.config) if want_weight else None
         )
         return grad_hidden, grad_weight, None, None
 
 
-class _LinearCrossEntropyBackward(torch.autograd.Function):
-    """(hidden (M, d), weight (V, d), targets, lse (M,), grad_losses (M,)) -> (grad_hidden (M, d) or None,
-    grad_weight (V, d) or None), as `want` asks; differentiable once more (module docstring)."""
+def _forward(hidden, weight, targets, config) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(lse (M,), losses (M,), G (M, d)) of hidden (M, d), weight (V, d), targets (M,), block by block."""
+    losses = hidden.new_empty(hidden.shape[0], dtype=config.loss_dtype)
+    lse = torch.empty_like(losses)
+    grad_dir = hidden.new_empty(hidden.shape, dtype=config.compute_dtype)
+    with torch.autocast(hidden.device.type, enabled=False):
+        h, w = config.cast(hidden), config.cast(weight)
+        w_t = w.t()
+        for rows in config.blocks(hidden.shape[0]):
+            lse[rows], losses[rows], p_minus = forward_terms(h[rows] @ w_t, targets[rows], config.loss_dtype)
+            grad_dir[rows] = p_minus @ w
+    return lse, losses, grad_dir
+
+
+class _WeightGrad(torch.autograd.Function):
+    """(hidden (M, d), weight (V, d), targets, lse (M,), grad_losses (M,)) -> grad_W (V, d), in weight's
+    dtype: sum_t g_t (p_t - e_{y_t}) h_t^T; differentiable once more (module docstring)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, lse, grad_losses, config, want):
-        want_hidden, want_weight = want
-        grad_hidden = torch.empty_like(hidden) if want_hidden else None
-        grad_weight = torch.zeros_like(weight, dtype=config.loss_dtype) if want_weight else None
+    def forward(ctx, hidden, weight, targets, lse, grad_losses, config):
+        grad_weight = torch.zeros_like(weight, dtype=config.loss_dtype)
         with torch.autocast(hidden.device.type, enabled=False):
             h, w = config.cast(hidden), config.cast(weight)
             for rows in config.blocks(hidden.shape[0]):
                 dz = logit_grad(h[rows] @ w.t(), lse[rows], targets[rows], grad_losses[rows])
-                if want_hidden:
-                    grad_hidden[rows] = dz @ w
-                if want_weight:
-                    grad_weight += dz.t() @ h[rows]
+                grad_weight += dz.t() @ h[rows]
         ctx.save_for_backward(hidden, weight, targets, lse, grad_losses)
         ctx.config = config
-        return grad_hidden, (None if grad_weight is None else grad_weight.to(weight.dtype))
+        return grad_weight.to(weight.dtype)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, cot_hidden, cot_weight):
+    def backward(ctx, cot_weight):
         hidden, weight, targets, lse, grad_losses = ctx.saved_tensors
         config = ctx.config
         need_hidden, need_weight, _, _, need_grad = ctx.needs_input_grad[:5]
         d_hidden = torch.zeros_like(hidden) if need_hidden else None
         d_weight = torch.zeros_like(weight, dtype=config.loss_dtype) if need_weight else None
         d_grad = torch.zeros_like(grad_losses) if need_grad else None
-        if cot_hidden is None and cot_weight is None:
-            return _gradients(d_hidden, d_weight, d_grad, weight.dtype)
         with torch.autocast(hidden.device.type, enabled=False):
-            h, w, a, b = (
-                config.cast(hidden),
-                config.cast(weight),
-                config.cast(cot_hidden),
-                config.cast(cot_weight),
-            )
+            h, w, b = config.cast(hidden), config.cast(weight), config.cast(cot_weight)
             for rows in config.blocks(hidden.shape[0]):
-                terms = [a[rows] @ w.t()] if a is not None else []
-                if b is not None:
-                    terms.append(h[rows] @ b.t())
-                r, dz, dg = logit_second(
-                    h[rows] @ w.t(), terms[0], terms[1] if len(terms) > 1 else None,
-                    lse[rows], targets[rows], grad_losses[rows],
-                )  # fmt: skip
+                r, dz, dg = weight_grad_second(
+                    h[rows] @ w.t(), h[rows] @ b.t(), lse[rows], targets[rows], grad_losses[rows]
+                )
                 if need_grad:
                     d_grad[rows] = dg
                 if need_hidden:
-                    d_hidden[rows] = r @ w if b is None else (r @ w).to(d_hidden.dtype) + dz @ b
+                    d_hidden[rows] = (r @ w).to(d_hidden.dtype) + dz @ b
                 if need_weight:
                     d_weight += r.t() @ h[rows]
-                    if a is not None:
-                        d_weight += dz.t() @ a[rows]
-        return _gradients(d_hidden, d_weight, d_grad, weight.dtype)
+        d_weight = None if d_weight is None else d_weight.to(weight.dtype)
+        return d_hidden, d_weight, None, None, d_grad, None
 
 
-def _gradients(d_hidden, d_weight, d_grad, weight_dtype):
-    """The double backward's return tuple, d_weight in weight_dtype."""
-    d_weight = None if d_weight is None else d_weight.to(weight_dtype)
-    return d_hidden, d_weight, None, None, d_grad, None, None
+class _JointBackward(torch.autograd.Function):
+    """The backward of a second-order graph, where both outputs of `_LinearCrossEntropy` were reached:
+    (hidden (M, d), weight (V, d), targets, lse (M,), grad_losses g (M,), cot_dir c (M, d)) ->
+    (grad_h (M, d) or None, grad_W (V, d) or None) as `want` asks (module docstring). Not
+    differentiable: a third derivative is not provided."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, lse, grad_losses, cot_dir, config, want):
+        want_hidden, want_weight = want
+        grad_hidden = torch.empty_like(hidden) if want_hidden else None
+        grad_weight = torch.zeros_like(weight, dtype=config.loss_dtype) if want_weight else None
+        with torch.autocast(hidden.device.type, enabled=False):
+            h, w, c = config.cast(hidden), config.cast(weight), config.cast(cot_dir)
+            for rows in config.blocks(hidden.shape[0]):
+                r, p_minus = joint_terms(
+                    h[rows] @ w.t(), c[rows] @ w.t(), lse[rows], targets[rows], grad_losses[rows]
+                )
+                if want_hidden:
+                    grad_hidden[rows] = r @ w
+                if want_weight:
+                    grad_weight += r.t() @ h[rows]
+                    grad_weight += p_minus.t() @ c[rows]
+        return grad_hidden, (None if grad_weight is None else grad_weight.to(weight.dtype))
+
+    @staticmethod
+    def backward(ctx, *cotangents):
+        raise RuntimeError("linear_cross_entropy: a third derivative is not provided")

@@ -38,6 +38,12 @@ class TTTConfig:
     """Recompute each prefix block (the blocks before the suffix) in the outer backward: only its input
     is saved, one (sequences, seq_len, d_model) tensor a block, for one more forward of the prefix."""
 
+    checkpoint_segment: int | None = None
+    """With chunk recomputation (inner.checkpoint; memory.checkpoint for a neural memory), also recompute
+    runs of this many chunks as one piece: the outer graph keeps the carry (fast weights, caches) only
+    at every checkpoint_segment-th chunk boundary, and a run's chunk carries only while its backward
+    runs, for one more forward of each chunk. null: every chunk boundary's carry is kept."""
+
     def __post_init__(self):
         if self.suffix_len < 1:
             raise ValueError(f"ttt.suffix_len must be a positive int, got {self.suffix_len}")
@@ -52,6 +58,10 @@ class TTTConfig:
         if self.sequences_per_pass is not None and self.sequences_per_pass < 1:
             raise ValueError(
                 f"ttt.sequences_per_pass must be a positive int or null, got {self.sequences_per_pass}"
+            )
+        if self.checkpoint_segment is not None and self.checkpoint_segment < 1:
+            raise ValueError(
+                f"ttt.checkpoint_segment must be a positive int or null, got {self.checkpoint_segment}"
             )
         if not 0 <= self.lr_warmup_start <= 1:
             raise ValueError(f"ttt.lr_warmup_start must be in [0, 1], got {self.lr_warmup_start}")

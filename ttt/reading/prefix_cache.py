@@ -21,6 +21,7 @@ rows of the gradient.
 from __future__ import annotations
 
 import torch
+from torch.utils._pytree import register_pytree_node
 
 
 class _Rows:
@@ -112,3 +113,13 @@ class PrefixCache:
         if self.keys is None:
             return self
         return PrefixCache(self.keys.detach(), self.values.detach(), self._rows)
+
+
+register_pytree_node(
+    PrefixCache,
+    lambda cache: ([cache.keys, cache.values], cache._rows),
+    lambda children, rows: PrefixCache(children[0], children[1], rows),
+)
+"""A pytree node: its keys and values are what `ttt.inner.recompute.recomputed` passes through a
+recomputed chunk (the shared buffers travel as the node's context)."""
+

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from ttt.inner import maybe_checkpoint
+from ttt.inner.recompute import recomputed
 from ttt.models.linear_cross_entropy import linear_cross_entropy
 from ttt.models.transformer import Block, Transformer, next_token_losses, rope_cos_sin
 
@@ -114,7 +115,9 @@ class ChunkedReader(nn.Module):
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The chunked reading of tokens (B, N) (module docstring). Returns (logits (B, N, V) or None
         unless keep_logits, next-token losses (B, N - 1)). options go to every `_read_chunk`; lr_scale to
-        `_initial_state`; checkpoint: recompute each chunk in the outer backward (with outer_grad only);
+        `_initial_state`; checkpoint: recompute each chunk in the outer backward (with outer_grad only:
+        `recomputed`, which hands the fused loss's recorded outputs back instead of running it again),
+        and with ttt.checkpoint_segment = k also each run of k chunks (only every k-th carry kept);
         outer_grad=False detaches every chunk (evaluation: memory stays flat). ttt.checkpoint_prefix
         recomputes each prefix block in the outer backward (only its input is saved)."""
         batch, n = tokens.shape
@@ -131,30 +134,54 @@ class ChunkedReader(nn.Module):
         carry = self._initial_state(batch, lr_scale=lr_scale)
         if not outer_grad:
             carry = self._detached(carry)
-        caches, all_logits, all_losses = [block.initial_cache(n) for block in self.suffix], [], []
-        for start in range(0, n, self.ttt_cfg.chunk_len):
-            end = min(start + self.ttt_cfg.chunk_len, n)
-            args = (
-                carry,
-                hidden[:, start:end],
-                tokens[:, start + 1 : end + 1],
-                cos[start:end],
-                sin[start:end],
-                caches,
-                end == n,
-                keep_logits,
-                *options,
-            )
-            logits, losses, caches, carry = maybe_checkpoint(
-                self._read_chunk, *args, enabled=checkpoint and outer_grad
-            )
+        caches = [block.initial_cache(n) for block in self.suffix]
+        recompute = checkpoint and outer_grad and torch.is_grad_enabled()
+        span = (self.ttt_cfg.chunk_len * (self.ttt_cfg.checkpoint_segment or 0) if recompute else 0) or n
+        all_logits, all_losses = [], []
+        for start in range(0, n, span):
+            end = min(start + span, n)
+            args = (carry, caches, hidden[:, start:end], tokens[:, start + 1 : end + 1], cos[start:end],
+                    sin[start:end], end == n, keep_logits, options, outer_grad, recompute)  # fmt: skip
+            if span < n:
+                logits, losses, caches, carry = recomputed(self._read_span, *args, params=self._trainable())
+            else:
+                logits, losses, caches, carry = self._read_span(*args)
+            all_logits.append(logits)
+            all_losses.append(losses)
+        return (torch.cat(all_logits, dim=1) if keep_logits else None), torch.cat(all_losses, dim=1)
+
+    def _trainable(self) -> list[torch.Tensor]:
+        """The parameters that need gradients (those a recomputed chunk hands gradients back to)."""
+        return [p for p in self.parameters() if p.requires_grad]
+
+    def _read_span(
+        self, carry, caches, hidden, targets, cos, sin, ends_sequence: bool, keep_logits: bool,
+        options: tuple, outer_grad: bool, recompute: bool,
+    ) -> tuple[torch.Tensor | None, torch.Tensor, list, Carry]:  # fmt: skip
+        """The chunks of a span of positions: hidden (B, S, d_model) its prefix output, targets (B, S) the
+        next tokens (B, S - 1 when the span ends the sequence: ends_sequence), cos, sin (S, head_dim),
+        the caches and carry at its start. Each chunk is `recomputed` in the outer backward with
+        recompute, and cut from the graph without outer_grad. Returns (logits (B, S, V) or None unless
+        keep_logits, losses (B, S or S - 1), caches, carry)."""
+        length, chunk = hidden.shape[1], self.ttt_cfg.chunk_len
+        params = self._trainable() if recompute else []
+        all_logits, all_losses = [], []
+        for start in range(0, length, chunk):
+            end = min(start + chunk, length)
+            args = (carry, hidden[:, start:end], targets[:, start:end], cos[start:end], sin[start:end],
+                    caches, ends_sequence and end == length, keep_logits, *options)  # fmt: skip
+            if params:
+                logits, losses, caches, carry = recomputed(self._read_chunk, *args, params=params)
+            else:
+                logits, losses, caches, carry = self._read_chunk(*args)
             if not outer_grad:
                 logits, losses = (None if logits is None else logits.detach()), losses.detach()
                 caches = [detach_cache(cache) for cache in caches]
                 carry = self._detached(carry)
             all_logits.append(logits)
             all_losses.append(losses)
-        return (torch.cat(all_logits, dim=1) if keep_logits else None), torch.cat(all_losses, dim=1)
+        logits = torch.cat(all_logits, dim=1) if keep_logits else None
+        return logits, torch.cat(all_losses, dim=1), caches, carry
 
     def token_losses(self, tokens: torch.Tensor, **options) -> torch.Tensor:
         """Next-token losses of every position, tokens (B, N) int64 -> (B, N - 1) float32; options as

@@ -44,6 +44,11 @@ def out_of_memory_advice(cfg: Any, error: BaseException) -> str:
         now = _get(cfg, key)
         if now is not _MISSING and now != saving:
             lines.append(f"  {key}: {now} -> {saving}; {cost}")
+    if _get(cfg, "ttt.checkpoint_segment") is None:  # a recipe with chunked reading, no segments yet
+        lines.append(
+            "  ttt.checkpoint_segment: null -> 8; with chunk recomputation, keeps the carry (fast weights) "
+            "of every 8th chunk boundary only, for one more forward of every chunk"
+        )
     per_pass = _get(cfg, "ttt.sequences_per_pass")
     batch = _get(cfg, "trainer.meta_batch_size")
     if per_pass is not _MISSING and batch is not _MISSING:

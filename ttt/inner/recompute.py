@@ -1,0 +1,152 @@
+"""`recomputed`: run a function, keep only its inputs, and run it again in the backward.
+
+    out = recomputed(fn, *args, params=trainable)      # fn(*args), its intermediate tensors dropped
+
+Activation checkpointing for regions that take gradients themselves, such as a chunk of test-time
+training (score, then an inner step through `torch.autograd.grad(create_graph=True)`). PyTorch's
+non-reentrant checkpoint drops the region's saved tensors as the forward runs, so an inner gradient
+taken inside the region recomputes the region once more during the forward: three runs of it per
+outer step. Here the region's forward runs as plain autograd on detached copies of its inputs (the
+inner gradient uses that graph), only the outputs leave it, and the backward runs it once more: two
+runs, and nesting works (a region that runs recomputed regions, e.g. a run of chunks of which only
+the first carry is kept).
+
+fn(*args): args and the outputs are nested tuples, lists and dicts (pytrees) of tensors and other
+values; tensors among the args become inputs of one autograd node, tensors among the outputs its
+outputs. fn may also use tensors it reaches by itself (a module's parameters): those that need a
+gradient must be listed in `params`, and the backward returns their gradients into the graph (fn
+must use these very tensors, e.g. a module's live parameters). fn must compute the same values when
+run again (no randomness). The backward reruns fn under the autocast state of the forward, with
+`linear_cross_entropy`'s recorded forwards handed back (`recompute_contexts`), and differentiates it
+with `torch.autograd.grad` (so `torch.autograd.grad` and `.backward()` both work on the result; under
+create_graph the gradients are differentiable once more).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ttt.models.linear_cross_entropy import recompute_contexts
+
+
+def recomputed(fn: Callable[..., Any], *args: Any, params: Sequence[torch.Tensor]) -> Any:
+    """fn(*args), recomputed in the backward instead of keeping its intermediate tensors (module
+    docstring); params: the tensors fn uses that are not in args and need gradients. Returns fn's
+    outputs (same structure; tensors detached from fn's own graph and attached to one recompute node)."""
+    leaves, spec = tree_flatten(args)
+    tensor_slots = [i for i, leaf in enumerate(leaves) if torch.is_tensor(leaf)]
+    region = _Region(fn, leaves, spec, tensor_slots)
+    grads_wanted = [p for p in params if p.requires_grad]
+    outputs = _Recomputed.apply(region, *(leaves[i] for i in tensor_slots), *grads_wanted)
+    return region.rebuild_outputs(outputs if isinstance(outputs, tuple) else (outputs,))
+
+
+class _Region:
+    """fn and its flattened arguments (the tensor slots filled per run), and the structure of its
+    outputs once it has run."""
+
+    def __init__(self, fn, leaves: list, spec, tensor_slots: list[int]):
+        self.fn, self.leaves, self.spec, self.tensor_slots = fn, leaves, spec, tensor_slots
+        self.out_constants: list | None = None
+        """The output leaves of the forward run, tensors replaced by `_TENSOR` (no graph kept here)."""
+        self.out_spec = None
+
+    @property
+    def inputs(self) -> int:
+        """How many of the node's inputs are fn's argument tensors (the rest are params)."""
+        return len(self.tensor_slots)
+
+    def run(self, tensors: Sequence[torch.Tensor]) -> list:
+        """fn on the arguments with their tensors replaced by `tensors`; its output leaves (flattened)."""
+        leaves = list(self.leaves)
+        for slot, tensor in zip(self.tensor_slots, tensors):
+            leaves[slot] = tensor
+        out_leaves, self.out_spec = tree_flatten(self.fn(*tree_unflatten(leaves, self.spec)))
+        return out_leaves
+
+    def keep_constants(self, out_leaves: list) -> None:
+        """Remember the non-tensor output leaves of the forward run."""
+        self.out_constants = [_TENSOR if torch.is_tensor(leaf) else leaf for leaf in out_leaves]
+
+    def rebuild_outputs(self, tensors: tuple) -> Any:
+        """The outputs of the forward run with their tensors replaced by the node's outputs."""
+        tensors = iter(tensors)
+        leaves = [next(tensors) if leaf is _TENSOR else leaf for leaf in self.out_constants]
+        return tree_unflatten(leaves, self.out_spec)
+
+
+_TENSOR = object()
+"""Placeholder of a tensor among a region's output leaves."""
+
+
+def _detached(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Fresh leaves sharing storage with tensors, requiring grad where they did."""
+    return [t.detach().requires_grad_(t.requires_grad) for t in tensors]
+
+
+def _autocast_state() -> list[tuple[str, bool, torch.dtype]]:
+    """(device type, autocast on, its dtype) for the CPU and, where there is one, CUDA."""
+    devices = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+    return [
+        (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)) for device in devices
+    ]
+
+
+class _Recomputed(torch.autograd.Function):
+    """(region, fn's argument tensors..., params...) -> fn's output tensors; backward: module docstring."""
+
+    @staticmethod
+    def forward(ctx, region: _Region, *tensors):
+        inputs = tensors[: region.inputs]
+        ctx.region, ctx.autocast = region, _autocast_state()
+        ctx.record, ctx.replay = recompute_contexts()
+        ctx.save_for_backward(*inputs)
+        ctx.params = tensors[region.inputs :]  # live leaves, held by their module anyway: no copy to save
+        ctx.set_materialize_grads(False)  # an output nothing used (the last chunk's carry) costs nothing
+        with torch.enable_grad(), ctx.record:
+            out_leaves = region.run(_detached(inputs))
+        region.keep_constants(out_leaves)
+        outputs = [leaf for leaf in out_leaves if torch.is_tensor(leaf)]
+        ctx.differentiable = [out.requires_grad for out in outputs]
+        detached = tuple(out.detach() for out in outputs)
+        ctx.mark_non_differentiable(*(d for d, diff in zip(detached, ctx.differentiable) if not diff))
+        return detached
+
+    @staticmethod
+    def backward(ctx, *grads):
+        region = ctx.region
+        # Under create_graph the gradients must reach the inputs' own graph: rerun on them as they are.
+        saved = ctx.saved_tensors
+        inputs = list(saved) if torch.is_grad_enabled() else _detached(saved)
+        params = list(ctx.params)
+        with contextlib.ExitStack() as stack:
+            for device, enabled, dtype in ctx.autocast:
+                stack.enter_context(torch.autocast(device, enabled=enabled, dtype=dtype))
+            stack.enter_context(torch.enable_grad())
+            stack.enter_context(ctx.replay)
+            outputs = [leaf for leaf in region.run(inputs) if torch.is_tensor(leaf)]
+        pairs = [
+            (out, grad)
+            for out, grad, diff in zip(outputs, grads, ctx.differentiable)
+            if diff and grad is not None and out.requires_grad
+        ]
+        candidates = inputs + params
+        needs = ctx.needs_input_grad[1:]
+        wanted = [i for i, need in enumerate(needs) if need and candidates[i].requires_grad]
+        result: list[torch.Tensor | None] = [None] * len(candidates)
+        if pairs and wanted:
+            found = torch.autograd.grad(
+                [out for out, _ in pairs],
+                [candidates[i] for i in wanted],
+                [grad for _, grad in pairs],
+                allow_unused=True,
+                create_graph=torch.is_grad_enabled(),
+            )
+            for i, grad in zip(wanted, found):
+                result[i] = grad
+        return (None, *result)
