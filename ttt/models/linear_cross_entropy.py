@@ -31,9 +31,9 @@ A third derivative is not provided (once_differentiable).
 
 from __future__ import annotations
 
-import warnings
-
 import torch
+
+from .compiled import CompiledOnCuda
 
 DEFAULT_BLOCK_BYTES = 2**30
 """Float32-equivalent logits of one block of rows (1 GiB: 2,093 rows of a 128,256 vocabulary)."""
@@ -123,29 +123,9 @@ def _logit_second(logits, u, u_more, lse, targets, grad):
     return (p * (u - s) * g).to(logits.dtype), (p_minus * g).to(logits.dtype), d_grad
 
 
-class _CompiledOnCuda:
-    """fn on CPU tensors; on CUDA tensors fn compiled by torch.compile (its element-wise chain fused),
-    falling back to fn with a warning if compilation fails."""
-
-    def __init__(self, fn):
-        self.fn, self.compiled = fn, None
-
-    def __call__(self, *args):
-        if not args[0].is_cuda or self.compiled is False:
-            return self.fn(*args)
-        if self.compiled is None:
-            self.compiled = torch.compile(self.fn, dynamic=None)
-        try:
-            return self.compiled(*args)
-        except Exception as err:  # noqa: BLE001 - any compiler failure: the eager function is exact too
-            warnings.warn(f"linear_cross_entropy runs uncompiled ({type(err).__name__}: {err})", stacklevel=2)
-            self.compiled = False
-            return self.fn(*args)
-
-
-row_stats = _CompiledOnCuda(_row_stats)
-logit_grad = _CompiledOnCuda(_logit_grad)
-logit_second = _CompiledOnCuda(_logit_second)
+row_stats = CompiledOnCuda(_row_stats, "linear_cross_entropy")
+logit_grad = CompiledOnCuda(_logit_grad, "linear_cross_entropy")
+logit_second = CompiledOnCuda(_logit_second, "linear_cross_entropy")
 
 
 def _will_run(node) -> bool:
