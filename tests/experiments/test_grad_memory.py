@@ -68,8 +68,9 @@ def test_cpu_sweep_agrees_with_the_memory_model_and_writes_strict_files(tmp_path
         assert row["status"] == "ok", row
         if not row["checkpoint"]:  # the saved-tensor meter cannot see inside a recomputation
             assert row["saved_gib"] == pytest.approx(row["predicted_gib"], rel=0.01), row
-            # First order holds one more N x N tensor than the model counts (docs/grad_memory.md).
-            bound = 1.1 if row["order"] == "second" else 1.25
+            # First order holds one more N x N tensor than the model counts (docs/grad_memory.md). The
+            # fused ops' graphs are smaller and the rest of the peak is not: 1.12 at N=16, second order.
+            bound = 1.15 if row["order"] == "second" else 1.25
             assert 0.7 < row["peak_gib"] / row["predicted_peak_gib"] < bound, row
         assert row["params_gib"] < row["saved_gib"] < row["peak_gib"]
     second = {
@@ -113,10 +114,11 @@ def test_ttt_e2e_workload_runs_and_is_not_predicted(tmp_path):
     assert "ttt_e2e: 2 layers" in (tmp_path / "table.md").read_text()
 
 
+@pytest.mark.parametrize("fused_ops", [True, False], ids=["fused", "plain"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("backend", ["eager", "sdpa_math"])
-def test_memory_model_matches_the_saved_bytes_and_bounds_the_peak(dtype, backend):
-    setup = grad_memory.resolve(load(["preset=cpu"], cuda_available=False))
+def test_memory_model_matches_the_saved_bytes_and_bounds_the_peak(dtype, backend, fused_ops):
+    setup = grad_memory.resolve(load(["preset=cpu", f"fused_ops={fused_ops}"], cuda_available=False))
     setup.dtype = dtype
     predict = grad_memory.predictor(setup)
     for n, k, order in [(24, 2, "first"), (24, 1, "second"), (40, 3, "second"), (256, 2, "second")]:
@@ -243,7 +245,7 @@ def test_hvp_workload_measures_gradient_and_hvp_per_backend(tmp_path):
     for backend in ("flashbob", "eager", "sdpa_math"):
         for n in (16, 24):  # the HVP keeps the gradient's graph and differentiates it again
             gradient, product = by_point[(backend, "first", n)], by_point[(backend, "second", n)]
-            assert product["saved_gib"] > 1.5 * gradient["saved_gib"], (backend, n)
+            assert product["saved_gib"] > 1.4 * gradient["saved_gib"], (backend, n)
             assert product["peak_gib"] > gradient["peak_gib"], (backend, n)
     table = (tmp_path / "table.md").read_text()
     assert "hvp: 2 layers, d_model 32, 2 heads (1 key/value) of 16" in table and "tied embeddings" in table

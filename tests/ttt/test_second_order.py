@@ -54,8 +54,9 @@ def test_hvp_equals_forward_over_reverse_in_float64(backend, window):
     assert set(got) == set(want) == set(dict(model.named_parameters()))
     for key in want:
         assert got[key].dtype == torch.float64 and got[key].shape == params[key].shape
-    # RMSNorm and RoPE compute in float32 even in a float64 model: that rounding, not the HVP, is the limit.
-    assert max_relative_error(got, want) < 1e-6
+    # float64 throughout (RMSNorm and RoPE upcast only below float32): the fused ops' double backward
+    # against their forward-mode derivatives of the backward, two derivations, to rounding
+    assert max_relative_error(got, want) < 1e-12
     assert all(p.grad is None for p in model.parameters())
 
 

@@ -130,6 +130,8 @@ class GradMemoryConfig:
     """SwiGLU hidden width; null: 8/3 d_model rounded up to a multiple of 32."""
     tie_embeddings: bool = False
     """Use the embedding matrix as the output head."""
+    fused_ops: bool = True
+    """The model's fused RMSNorm, SwiGLU and RoPE ops (model.fused_ops); false: the plain PyTorch ops."""
     vocab_size: int = 256
     """Vocabulary (the tokens are random)."""
     adapted: list[str] | None = None
@@ -232,6 +234,7 @@ def resolve(cfg: GradMemoryConfig) -> ProbeSetup:
         d_ff=cfg.d_ff,
         tie_embeddings=cfg.tie_embeddings,
         window=cfg.window,
+        fused_ops=cfg.fused_ops,
     )
     adapted = list(cfg.adapted or DEFAULT_ADAPTED[cfg.workload])
     ttt = TTTConfig(suffix_len=cfg.suffix_len, chunk_len=cfg.chunk_len)
@@ -271,7 +274,7 @@ def summary(setup: ProbeSetup) -> str:
     text = (
         f"{setup.workload}: {m.n_layers} layers, d_model {m.d_model}, {m.n_heads} heads "
         f"({m.n_kv_heads} key/value) of {m.head_dim}, d_ff {m.d_ff}"
-        f"{', tied embeddings' if m.tie_embeddings else ''}, "
+        f"{', tied embeddings' if m.tie_embeddings else ''}{'' if m.fused_ops else ', plain (unfused) ops'}, "
         f"{'full causal' if m.window is None else f'window {m.window}'}, vocab {m.vocab_size}, "
         f"{str(setup.dtype).removeprefix('torch.')}, batch 1, "
     )

@@ -40,9 +40,11 @@ K_MARKERS = {1: "o", 2: "s", 4: "^", 8: "D"}
 
 
 def _csv_value(value):
+    """A CSV cell: floats in full (repr: read back exactly, so a table rendered from the CSV alone is
+    the table rendered from the rows; 6 digits would round a value like 0.001055 a second time)."""
     if value is None:
         return ""
-    return format(value, ".6g") if isinstance(value, float) else value
+    return repr(value) if isinstance(value, float) else value
 
 
 def read_csv_rows(path: Path) -> list[dict]:

@@ -5,23 +5,25 @@ Counted from the model's code (every tensor some autograd node saves, each stora
 `SavedTensorMeter` by the tests (within 3%; exact in float32). Symbols: d model width, w = n_heads *
 head_dim, f MLP hidden width, H heads, V vocabulary, N sequence length, e bytes per element of the
 model dtype (2 for bf16), a = 4 bytes per element inside SDPA's math backend (it upcasts bf16/fp16 to
-float32). RMSNorm computes in float32, hence its 4-byte terms. Bytes per token, per block:
+float32). Bytes per token, per block, with the model's fused ops (model.fused_ops, the default; the
+plain ops' terms in brackets: RMSNorm computes in float32, hence their 4-byte terms):
 
   forward graph A:
-    norms 2(4d + 2e d + 4) + MLP 4e f + attention:
+    norms 2 * 2e d [2(4d + 2e d + 4)] + MLP 3e f [4e f] + attention:
       flashbob    5e w + 4H                  q, k, v, out, the wo input; float32 log-sum-exp
       eager       4e w + N (e H + 1)         q, k, v, the wo input; P (N x N per head) and the mask
       sdpa_math   3a w + e w + N a H         float32 q, k, v, the wo input; P in float32
   graph of the inner gradient B (create_graph, second order only):
-    residual grad e d + SwiGLU backward 8e f + norms 2(e d + 12d + 8) + attention:
+    residual grad e d + SwiGLU backward 3e f [8e f] + norms 2e d [2(e d + 12d + 8)] + attention:
       flashbob    6e w                       grads of the wo input, dO, dQ, grads into wq, wk, wv
       eager       5e w + N 2e H              dP and dS
       sdpa_math   4e w + a w + N 2a H
 
 The first block's attention is not on the inner gradient's path (nothing before it is adapted): its
-B is e d + 8e f. The head adds 4d + 2e d + 4 + 4V + 16 (forward: final norm, float32 logits, tokens)
-and e d + 12d + 8 + (4 + e)V (inner gradient). Fixed: the weights the linear layers save, the float32 RoPE
-tables (8 head_dim per token), and one new copy of the adapted weights per second-order inner step.
+B is e d + 3e f [8e f]. The head adds a norm's forward, 4V + 16 (float32 logits, tokens) and a norm's
+backward + (4 + e)V (inner gradient). Every forward (each inner step's and the outer one) makes its
+own float32 RoPE tables, 8 head_dim per token. Fixed: the weights the linear layers save, and one new
+copy of the adapted weights per second-order inner step.
 
 The allocator's peak adds what backward passes hold only while they run (`transient_bytes`): for
 eager and sdpa_math the double backward of one attention holds about 6 more N x N tensors per head
@@ -62,6 +64,8 @@ class ModelDims:
     """Bytes of the adapted parameters (each second-order inner step makes and keeps a new copy)."""
     param_bytes: int
     """Bytes of all parameters (and so of their gradients)."""
+    fused: bool
+    """Whether the model runs the fused RMSNorm, SwiGLU and RoPE ops (its cfg.fused_ops)."""
 
     @classmethod
     def of(cls, model: Transformer, adapted: list[str]) -> ModelDims:
@@ -79,6 +83,7 @@ class ModelDims:
             weight_bytes=sum(b for name, b in nbytes.items() if not name.startswith("embed.")),
             adapted_bytes=sum(nbytes[name] for name in adapted),
             param_bytes=sum(nbytes.values()),
+            fused=model.cfg.fused_ops,
         )
 
 
@@ -102,20 +107,33 @@ class TokenBytes:
     __rmul__ = __mul__
 
 
-def _norm_forward(d: int, e: int) -> float:
-    """RMSNorm: float32 input copy (x itself when e == 4), rsqrt, normed in e, output in e."""
-    return 4 * d + 2 * e * d + 4
+def _norm_forward(dims: ModelDims, e: int) -> float:
+    """RMSNorm: fused, its input and its output (in e); plain, a float32 input copy (x itself when e == 4),
+    rsqrt, normed in e, output in e."""
+    return 2 * e * dims.d if dims.fused else 4 * dims.d + 2 * e * dims.d + 4
 
 
-def _norm_backward(d: int, e: int) -> float:
-    """Grad of the norm output (e), three float32 d-wide terms of its backward, two float32 scalars."""
-    return e * d + 12 * d + 8
+def _norm_backward(dims: ModelDims, e: int) -> float:
+    """Grad of the norm output (e); plain adds three float32 d-wide terms of its backward, two float32
+    scalars."""
+    return e * dims.d if dims.fused else e * dims.d + 12 * dims.d + 8
+
+
+def _mlp_forward(dims: ModelDims, e: int) -> float:
+    """SwiGLU: gate, up and the product (the down projection's input); plain adds silu(gate)."""
+    return (3 if dims.fused else 4) * e * dims.f
+
+
+def _mlp_backward(dims: ModelDims, e: int) -> float:
+    """SwiGLU in the inner gradient's graph: fused, the product's grad and the grads of gate and up;
+    plain saves 8 f-wide tensors."""
+    return (3 if dims.fused else 8) * e * dims.f
 
 
 def forward_graph(dims: ModelDims, backend: str, e: int) -> TokenBytes:
     """Bytes per token saved by the forward of one transformer block (layer)."""
-    d, w, f, h = dims.d, dims.w, dims.f, dims.heads
-    common = 2 * _norm_forward(d, e) + 4 * e * f
+    w, h = dims.w, dims.heads
+    common = 2 * _norm_forward(dims, e) + _mlp_forward(dims, e)
     if backend == "flashbob":
         return TokenBytes(common + 5 * e * w + 4 * h)
     if backend == "eager":
@@ -127,11 +145,11 @@ def forward_graph(dims: ModelDims, backend: str, e: int) -> TokenBytes:
 
 def backward_graph(dims: ModelDims, backend: str, e: int, *, attention: bool = True) -> TokenBytes:
     """Bytes per token saved by the create_graph backward of one block; attention=False: MLP part only."""
-    d, w, f, h = dims.d, dims.w, dims.f, dims.heads
-    mlp = e * d + 8 * e * f
+    w, h = dims.w, dims.heads
+    mlp = e * dims.d + _mlp_backward(dims, e)
     if not attention:
         return TokenBytes(mlp)
-    common = mlp + 2 * _norm_backward(d, e)
+    common = mlp + 2 * _norm_backward(dims, e)
     if backend == "flashbob":
         return TokenBytes(common + 6 * e * w)
     if backend == "eager":
@@ -143,8 +161,8 @@ def backward_graph(dims: ModelDims, backend: str, e: int, *, attention: bool = T
 
 def head_graphs(dims: ModelDims, e: int) -> tuple[TokenBytes, TokenBytes]:
     """(forward, backward) bytes per token of the final norm, the float32 logits, the loss and the tokens."""
-    d, v = dims.d, dims.vocab
-    return TokenBytes(_norm_forward(d, e) + 4 * v + 16), TokenBytes(_norm_backward(d, e) + (4 + e) * v)
+    v = dims.vocab
+    return TokenBytes(_norm_forward(dims, e) + 4 * v + 16), TokenBytes(_norm_backward(dims, e) + (4 + e) * v)
 
 
 def inner_step_graph(dims: ModelDims, backend: str, e: int) -> TokenBytes:
@@ -153,12 +171,18 @@ def inner_step_graph(dims: ModelDims, backend: str, e: int) -> TokenBytes:
     layers = dims.layers * forward_graph(dims, backend, e) + (dims.layers - 1) * backward_graph(
         dims, backend, e
     )
-    return layers + backward_graph(dims, backend, e, attention=False) + head_fwd + head_bwd
+    mlp_only = backward_graph(dims, backend, e, attention=False)
+    return layers + mlp_only + head_fwd + head_bwd + _rope_tables(dims)
 
 
 def outer_graph(dims: ModelDims, backend: str, e: int) -> TokenBytes:
     """Bytes per token of the outer forward (one forward graph of the whole model)."""
-    return dims.layers * forward_graph(dims, backend, e) + head_graphs(dims, e)[0]
+    return dims.layers * forward_graph(dims, backend, e) + head_graphs(dims, e)[0] + _rope_tables(dims)
+
+
+def _rope_tables(dims: ModelDims) -> TokenBytes:
+    """The float32 cos and sin tables (N, head_dim) each forward makes and its attention blocks save."""
+    return TokenBytes(8 * dims.head_dim)
 
 
 def predicted_bytes(
@@ -168,9 +192,9 @@ def predicted_bytes(
 
     Second order: k inner-step graphs (each with its new copy of the adapted weights) plus the outer
     forward graph (checkpointing: the larger of one inner step and the outer graph). First order: one
-    forward graph (the inner gradients are not kept). Both: the saved weights and the RoPE tables.
+    forward graph (the inner gradients are not kept). Both: the saved weights.
     """
-    fixed = dims.weight_bytes + n * 8 * dims.head_dim
+    fixed = dims.weight_bytes
     outer = n * outer_graph(dims, backend, e).at(n)
     if order == "first":
         return fixed + outer

@@ -47,9 +47,9 @@ two that read the block's logits once (`torch.compile`), not a chain of float32 
 
 from __future__ import annotations
 
-import warnings
-
 import torch
+
+from .compiled import CompiledOnCuda
 
 DEFAULT_BLOCK_BYTES = 2**30
 """Float32-equivalent logits of one block of rows (1 GiB: 2,093 rows of a 128,256 vocabulary)."""
@@ -151,30 +151,10 @@ def _weight_grad_second(logits, u, lse, targets, grad):
     return (p * (u - s) * g).to(logits.dtype), (p_minus * g).to(logits.dtype), d_grad
 
 
-class _CompiledOnCuda:
-    """fn on CPU tensors; on CUDA tensors fn compiled by torch.compile (its element-wise chain fused),
-    falling back to fn with a warning if compilation fails."""
-
-    def __init__(self, fn):
-        self.fn, self.compiled = fn, None
-
-    def __call__(self, *args):
-        if not args[0].is_cuda or self.compiled is False:
-            return self.fn(*args)
-        if self.compiled is None:
-            self.compiled = torch.compile(self.fn, dynamic=None)
-        try:
-            return self.compiled(*args)
-        except Exception as err:  # noqa: BLE001 - any compiler failure: the eager function is exact too
-            warnings.warn(f"linear_cross_entropy runs uncompiled ({type(err).__name__}: {err})", stacklevel=2)
-            self.compiled = False
-            return self.fn(*args)
-
-
-forward_terms = _CompiledOnCuda(_forward_terms)
-logit_grad = _CompiledOnCuda(_logit_grad)
-joint_terms = _CompiledOnCuda(_joint_terms)
-weight_grad_second = _CompiledOnCuda(_weight_grad_second)
+forward_terms = CompiledOnCuda(_forward_terms, "linear_cross_entropy")
+logit_grad = CompiledOnCuda(_logit_grad, "linear_cross_entropy")
+joint_terms = CompiledOnCuda(_joint_terms, "linear_cross_entropy")
+weight_grad_second = CompiledOnCuda(_weight_grad_second, "linear_cross_entropy")
 
 
 def _will_run(node) -> bool:

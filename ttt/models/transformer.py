@@ -1,6 +1,10 @@
 """A decoder-only transformer in the common modern form: RoPE, RMSNorm, SwiGLU, GQA, optional
 sliding-window attention, all attention through `ttt.models.attention.attention`.
 
+With model.fused_ops (the default) RMSNorm, SwiGLU's product and RoPE run as the fused ops of
+`ttt.models.fused_ops` (exact first and second derivatives, one compiled kernel per derivative order on
+CUDA); without, as the plain PyTorch ops below.
+
 Parameter names (what glob patterns for inner-loop adaptation and checkpoint loaders refer to):
     embed.weight                                  (vocab_size, d_model)
     layers.{i}.attn_norm.weight                   (d_model,)
@@ -28,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import AttentionBackend, attention
+from .fused_ops import rms_norm, rope, swiglu
 from .rope import RopeScaling, rope_cos_sin
 
 
@@ -63,6 +68,8 @@ class TransformerConfig:
     """Give the q, k and v projections a bias (Qwen2 style)."""
     attention: AttentionBackend = AttentionBackend.flashbob
     """Attention backend: flashbob (FlashBoB kernels on CUDA), eager (plain PyTorch) or sdpa_math."""
+    fused_ops: bool = True
+    """Run RMSNorm, SwiGLU's product and RoPE as fused twice-differentiable ops (ttt.models.fused_ops)."""
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads"):
@@ -102,16 +109,19 @@ class TransformerConfig:
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, computed in float32. x: (..., dim) -> same shape and dtype. Through
-    functional_call the weight may also be (B, dim), one per sequence of x (B, N, dim)."""
+    """x / rms(x) * weight, computed in float32 (float64 for float64 x). x: (..., dim) -> same shape, in
+    promote_types(weight.dtype, x.dtype). Through functional_call the weight may also be (B, dim), one
+    per sequence of x (B, N, dim). fused: as `fused_ops.rms_norm` (same values); False: plain ops."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, *, fused: bool = True):
         super().__init__()
-        self.eps = eps
+        self.eps, self.fused = eps, fused
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
+        if self.fused:
+            return rms_norm(x, self.weight, self.eps)
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         weight = self.weight if self.weight.dim() == 1 else self.weight[:, None]  # (B, dim): one per sequence
         return weight * normed.to(x.dtype)
@@ -129,9 +139,10 @@ def project(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (B, H, N, D) by the tables cos, sin (N, D) in the rotate-half layout; keeps x's dtype."""
+    """Rotate x (B, H, N, D) by the tables cos, sin (N, D) in the rotate-half layout, in float32 (float64
+    for float64 x), with plain ops; keeps x's dtype. `fused_ops.rope` computes the same."""
     half = x.shape[-1] // 2
-    xf = x.float()
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
     rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
     return (xf * cos + rotated * sin).to(x.dtype)
 
@@ -160,7 +171,8 @@ class Attention(nn.Module):
         q = project(self.wq, x).view(batch, seq, cfg.n_heads, cfg.head_dim).transpose(1, 2)
         k = project(self.wk, x).view(batch, seq, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
         v = project(self.wv, x).view(batch, seq, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        rotate = rope if cfg.fused_ops else apply_rope
+        return rotate(q, cos, sin), rotate(k, cos, sin), v
 
     def project_out(self, out: torch.Tensor) -> torch.Tensor:
         """Attention output (B, n_heads, N, head_dim) -> (B, N, d_model) through wo."""
@@ -169,16 +181,19 @@ class Attention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """w_down(silu(w_gate x) * w_up x). (..., d_model) -> (..., d_model)."""
+    """w_down(silu(w_gate x) * w_up x). (..., d_model) -> (..., d_model). fused: the product silu(.) * (.)
+    as `fused_ops.swiglu` (rounded once); False: plain ops (under autocast silu rounds before the product)."""
 
-    def __init__(self, d_model: int, d_ff: int):
+    def __init__(self, d_model: int, d_ff: int, *, fused: bool = True):
         super().__init__()
+        self.fused = fused
         self.w_gate = nn.Linear(d_model, d_ff, bias=False)
         self.w_up = nn.Linear(d_model, d_ff, bias=False)
         self.w_down = nn.Linear(d_ff, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return project(self.w_down, F.silu(project(self.w_gate, x)) * project(self.w_up, x))
+        gate, up = project(self.w_gate, x), project(self.w_up, x)
+        return project(self.w_down, swiglu(gate, up) if self.fused else F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -187,10 +202,10 @@ class Block(nn.Module):
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
         cfg = cfg.resolved()
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, fused=cfg.fused_ops)
         self.attn = Attention(cfg)
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg.d_model, cfg.d_ff)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, fused=cfg.fused_ops)
+        self.mlp = SwiGLU(cfg.d_model, cfg.d_ff, fused=cfg.fused_ops)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)
@@ -205,7 +220,7 @@ class Transformer(nn.Module):
         self.cfg = cfg = cfg.resolved()
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, fused=cfg.fused_ops)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.reset_parameters()
 

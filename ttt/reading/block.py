@@ -51,8 +51,8 @@ class SuffixBlock(nn.Module):
             self.ttt_norm = self.ttt_mlp = None
         else:
             device = block.attn_norm.weight.device
-            self.ttt_norm = RMSNorm(cfg.d_model, cfg.norm_eps).to(device)
-            self.ttt_mlp = SwiGLU(cfg.d_model, extra_hidden).to(device)
+            self.ttt_norm = RMSNorm(cfg.d_model, cfg.norm_eps, fused=cfg.fused_ops).to(device)
+            self.ttt_mlp = SwiGLU(cfg.d_model, extra_hidden, fused=cfg.fused_ops).to(device)
             nn.init.normal_(self.ttt_mlp.w_gate.weight, std=0.02)
             nn.init.normal_(self.ttt_mlp.w_up.weight, std=0.02)
             nn.init.zeros_(self.ttt_mlp.w_down.weight)

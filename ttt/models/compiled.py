@@ -1,0 +1,53 @@
+"""`CompiledOnCuda`: a pure tensor function that runs eagerly on the CPU and, on CUDA tensors, compiled by
+torch.compile, so that its chain of element-wise ops (and the reductions between them) is one kernel or a
+few instead of one PyTorch kernel, and one read and write of every operand, per op.
+
+The ops that use it (`ttt.models.linear_cross_entropy`, `ttt.models.fused_ops`) call it inside the forward
+and backward of their `torch.autograd.Function`s: what is compiled is plain arithmetic with no autograd
+graph, so it needs no derivative of its own (compiled graphs are not twice differentiable).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import torch
+
+
+class CompiledOnCuda:
+    """fn(*args) on CPU tensors; on CUDA tensors (args[0] decides) fn compiled by torch.compile, falling
+    back to fn with a warning that names `owner` if compilation fails (fn is exact too, only slower).
+
+    dynamic_rows: every dim but the last of each tensor argument is compiled as dynamic from the first
+    call on (`torch._dynamo.maybe_mark_dynamic`), so a new batch size or chunk length never recompiles
+    and the last (feature) dim stays a constant the kernel is specialised for. Without it torch.compile's
+    default applies: a dim is compiled for its first size and made dynamic when it first changes (one
+    recompile)."""
+
+    def __init__(self, fn: Callable[..., object], owner: str, *, dynamic_rows: bool = False):
+        self.fn, self.owner, self.dynamic_rows = fn, owner, dynamic_rows
+        self._compiled: Callable[..., object] | None = None
+        self._failed = False
+
+    def __call__(self, *args):
+        if not args[0].is_cuda or self._failed:
+            return self.fn(*args)
+        try:
+            return self.compiled(*args)
+        except Exception as err:  # noqa: BLE001 - any compiler failure: the eager function is exact too
+            warnings.warn(f"{self.owner} runs uncompiled ({type(err).__name__}: {err})", stacklevel=2)
+            self._failed = True
+            return self.fn(*args)
+
+    def compiled(self, *args):
+        """fn compiled by torch.compile, on tensors of any device, with no fallback (the tests run it on
+        CPU tensors, where inductor's C++ backend compiles it)."""
+        if self._compiled is None:
+            self._compiled = torch.compile(self.fn, dynamic=None)
+        if self.dynamic_rows:
+            for arg in args:
+                if isinstance(arg, torch.Tensor):
+                    for dim in range(arg.dim() - 1):
+                        torch._dynamo.maybe_mark_dynamic(arg, dim)
+        return self._compiled(*args)
