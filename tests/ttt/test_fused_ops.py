@@ -3,6 +3,8 @@ and forward mode), values and first and second derivatives equal to the plain im
 `ttt.models.transformer`, dtypes, the compiled path (inductor's CPU backend) without recompiling per
 chunk length, and a TTT transformer's second-order meta-gradient unchanged by model.fused_ops."""
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -76,10 +78,10 @@ def _derivatives(op, inputs, seed, use):
     derivatives reach the outer loss (an unused one gives its VJP op a None cotangent)."""
     gen = torch.Generator().manual_seed(seed)
     y = op(*inputs)
-    cot = torch.randn(y.shape, generator=gen, dtype=DOUBLE).to(y.dtype).requires_grad_()
+    cot = torch.randn(y.shape, generator=gen, dtype=DOUBLE).to(y.device, y.dtype).requires_grad_()
     firsts = torch.autograd.grad(y, inputs, cot, create_graph=True)
     outer = sum(
-        (f * torch.randn(f.shape, generator=gen, dtype=DOUBLE).to(f.dtype)).sum()
+        (f * torch.randn(f.shape, generator=gen, dtype=DOUBLE).to(f.device, f.dtype)).sum()
         for f, used in zip(firsts, use)
         if used
     )
@@ -127,6 +129,27 @@ def test_low_precision_is_as_close_to_float64_as_the_plain_ops(name, dtype):
         for g, b, ref in zip(got, base, reference):
             assert g.dtype == b.dtype
             assert _relative_error(g, ref) <= 2 * _relative_error(b, ref) + 1e-7
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", CASES)
+def test_compiled_on_cuda_is_as_close_to_float64_as_the_plain_ops(name):
+    """The compiled CUDA path in bf16: every value and derivative finite and at most twice plain
+    PyTorch's bf16 error on the GPU (both against float64)."""
+    for use in _uses(name):
+        fused_op, plain_op, inputs = make_case(name, torch.bfloat16, batch=4, rows=1031, dim=768)
+        inputs = [t.detach().cuda().requires_grad_() for t in inputs]
+        if name == "rope":
+            cos, sin = (t.cuda() for t in _tables(1031, 768))
+            fused_op = functools.partial(rope, cos=cos, sin=sin)
+            plain_op = functools.partial(apply_rope, cos=cos, sin=sin)
+        reference = _derivatives(plain_op, [t.detach().double().requires_grad_() for t in inputs], 1, use)
+        got = _derivatives(fused_op, inputs, 1, use)
+        base = _derivatives(plain_op, inputs, 1, use)
+        for g, b, ref in zip(got, base, reference):
+            assert torch.isfinite(g).all() and g.dtype == b.dtype
+            assert _relative_error(g, ref) <= 2 * _relative_error(b, ref) + 1e-6
 
 
 def test_rms_norm_keeps_the_plain_modules_dtypes():
