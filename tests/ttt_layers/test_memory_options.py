@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ttt.experiments.memory_meters import LiveTensorMeter
 from ttt.inner import InnerLoopConfig
 from ttt.models import Transformer, TransformerConfig
-from ttt.models.linear_cross_entropy import linear_cross_entropy
+from ttt.models.linear_cross_entropy import linear_cross_entropy, recompute_contexts
 from ttt.ttt_layers import TTTConfig, TTTTransformer
 
 DOUBLE = torch.float64
@@ -89,6 +89,26 @@ def test_linear_cross_entropy_runs_two_vocabulary_products_forward_none_for_an_i
         torch.autograd.grad(grad_hidden.square().sum() + losses.sum(), (hidden, weight))
         counted.append(products.count - sum(counted))
     assert counted == [2, 0, 5]
+
+
+def test_a_recomputed_linear_cross_entropy_hands_back_its_recorded_forward():
+    """Inside a recomputed region's replay the forward runs no product over the vocabulary and gives
+    the recorded values; a replay that does not match the recording is refused."""
+    gen = torch.Generator().manual_seed(2)
+    hidden = torch.randn(6, 5, dtype=DOUBLE, generator=gen, requires_grad=True)
+    weight = torch.randn(11, 5, dtype=DOUBLE, generator=gen, requires_grad=True)
+    targets = torch.randint(0, 11, (6,), generator=gen)
+    record, replay = recompute_contexts()
+    with record:
+        recorded = linear_cross_entropy(hidden, weight, targets)
+    with replay, VocabProducts(11) as products:
+        replayed = linear_cross_entropy(hidden, weight, targets)
+        (grad,) = torch.autograd.grad(replayed.sum(), hidden)
+    assert products.count == 0
+    torch.testing.assert_close(replayed, recorded, rtol=0, atol=0)
+    torch.testing.assert_close(grad, torch.autograd.grad(recorded.sum(), hidden)[0], rtol=0, atol=0)
+    with replay, pytest.raises(RuntimeError, match="differs from the recorded one"):
+        linear_cross_entropy(hidden[:4], weight, targets[:4])
 
 
 def test_linear_cross_entropy_refuses_mismatched_inputs():

@@ -69,19 +69,15 @@ def inner_step(
     return optimizer.step(params, grads, state, lrs)
 
 
-def maybe_checkpoint(
-    fn: Callable[..., Any], *args: Any, enabled: bool, context_fn: Callable[[], tuple] | None = None
-) -> Any:
+def maybe_checkpoint(fn: Callable[..., Any], *args: Any, enabled: bool) -> Any:
     """fn(*args), recomputed in the backward instead of storing its activations when `enabled`
     (non-reentrant activation checkpointing, so inner `autograd.grad` calls inside fn work). fn must
-    depend only on its arguments (bind loop variables as arguments, not through a closure).
-    context_fn: torch.utils.checkpoint's (a pair of context managers, for the forward and for the
-    recomputation), e.g. `linear_cross_entropy.recompute_contexts`."""
+    depend only on its arguments (bind loop variables as arguments, not through a closure). An inner
+    gradient taken inside fn makes torch recompute fn once more during the forward; the chunked readers
+    use `ttt.inner.recompute.recomputed`, which does not."""
     if not enabled:
         return fn(*args)
-    if context_fn is None:
-        return checkpoint(fn, *args, use_reentrant=False)
-    return checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn)
+    return checkpoint(fn, *args, use_reentrant=False)
 
 
 def expand_rows(params: Mapping[str, torch.Tensor], rows: int) -> Tensors:

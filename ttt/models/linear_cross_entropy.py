@@ -32,7 +32,8 @@ Products over the vocabulary per call (each a (rows, V, d) product): forward 2; 
 gradient in h 0; a first-order backward with the weight's gradient 2; the backward of a second-order
 graph (losses and G both reached) 5. A third derivative is not provided.
 
-Under activation checkpointing, `recompute_contexts` (a `context_fn` for torch.utils.checkpoint) keeps
+Under activation checkpointing, `recompute_contexts` (the pair of contexts `ttt.inner.recompute` runs a
+region's forward and its recomputation in; torch.utils.checkpoint's `context_fn` has the same form) keeps
 each forward's outputs (lse, losses and G: O(rows * d)) and hands them back when the checkpointed
 region is recomputed, so the recomputation runs no product over the vocabulary either.
 
@@ -225,7 +226,8 @@ class _CacheContext:
 
 
 def recompute_contexts() -> tuple[_CacheContext, _CacheContext]:
-    """`context_fn` for torch.utils.checkpoint (non-reentrant): the first context records the outputs
+    """(record, replay) contexts for a recomputed region (`ttt.inner.recompute`; also a valid `context_fn`
+    of torch.utils.checkpoint, non-reentrant): the first context records the outputs
     of every `linear_cross_entropy` forward of the region, the second (the recomputation) hands them
     back in the same order instead of recomputing them. Same values; O(rows * d) kept per call."""
     cache = _ForwardCache()
