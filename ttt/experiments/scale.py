@@ -33,6 +33,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from ttt.config import load_config
+from ttt.meta.sharding import SecondOrderFSDPStrategy
 from ttt.models import TransformerConfig
 from ttt.tracking import OuterStepTimer
 
@@ -115,6 +116,7 @@ def measure(overrides: list[str], steps: int, profile: bool = False) -> dict:
         max_steps=1 + steps + (1 if profile else 0),
         accelerator=cfg.trainer.accelerator,
         devices=1,
+        strategy=one_device_strategy(cfg),
         precision=cfg.trainer.precision,
         logger=False,
         enable_checkpointing=False,
@@ -148,6 +150,14 @@ def measure(overrides: list[str], steps: int, profile: bool = False) -> dict:
     if profiler is not None:
         row["profile"] = profiler.summary
     return row
+
+
+def one_device_strategy(cfg) -> SecondOrderFSDPStrategy | str:
+    """trainer.strategy on one device: fsdp (with trainer.fsdp_cpu_offload: parameters, gradients and
+    optimizer state in CPU memory between steps) or Lightning's default."""
+    if cfg.trainer.strategy == "fsdp":
+        return SecondOrderFSDPStrategy(1, cpu_offload=cfg.trainer.fsdp_cpu_offload)
+    return "auto"
 
 
 def release() -> None:

@@ -66,7 +66,10 @@ class InnerLoopConfig:
     first_order: bool = False
     """Drop second-order terms (first-order MAML): inner gradients are not differentiated."""
     checkpoint: bool = False
-    """Recompute each inner step in the outer backward instead of storing it (activation checkpointing)."""
+    """Recompute each inner step in the outer backward instead of storing it (activation checkpointing).
+    A TTT reader recomputes each chunk, with or without inner steps: without test-time training
+    (ttt.enabled=false) that is plain activation checkpointing of the suffix blocks, so the baseline
+    holds the memory of the TTT run and not that of every chunk."""
 
     def __post_init__(self):
         if not self.params or any(not isinstance(p, str) or not p for p in self.params):

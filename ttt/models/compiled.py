@@ -45,6 +45,9 @@ class CompiledOnCuda:
         CPU tensors, where inductor's C++ backend compiles it)."""
         if self._compiled is None:
             self._compiled = torch.compile(self.fn, dynamic=None)
+        # Detached: the arithmetic is compiled once, not once more for every combination of its inputs'
+        # requires_grad flags (guarded by torch.compile; eight variants exhaust its recompile limit).
+        args = tuple(arg.detach() if isinstance(arg, torch.Tensor) else arg for arg in args)
         if self.dynamic_rows:
             for arg in args:
                 if isinstance(arg, torch.Tensor):

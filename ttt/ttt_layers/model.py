@@ -137,7 +137,7 @@ class TTTTransformer(ChunkedReader):
             lr_scale=lr_scale,
             outer_grad=outer_grad,
             keep_logits=keep_logits,
-            checkpoint=self.inner_cfg.checkpoint and steps > 0,
+            checkpoint=self.inner_cfg.checkpoint,
         )
 
 
