@@ -5,7 +5,9 @@ import json
 
 import pytest
 
+from ttt.config import load_config
 from ttt.experiments import scale
+from ttt.meta.sharding import SecondOrderFSDPStrategy
 from ttt.models import TransformerConfig
 
 
@@ -37,3 +39,22 @@ def test_bad_modes_and_recipes_without_a_module_builder_are_named():
         scale.main(["recipe=ttt_e2e", "--modes", "second,sideways"])
     with pytest.raises(SystemExit, match="not a text TTT recipe"):
         scale.main(["recipe=maml_sinusoid", "--steps", "1"])
+
+
+def test_a_row_under_fsdp_with_cpu_offload_on_one_device(tmp_path):
+    """trainer.strategy=fsdp runs the step through the strategy ttt.train builds (its own process: the
+    strategy starts a process group)."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "rows.jsonl"
+    args = ["recipe=ttt_e2e", "trainer.meta_batch_size=2", "data.seq_len=64", "model.attention=eager"]
+    args += ["trainer.strategy=fsdp", "trainer.fsdp_cpu_offload=true"]
+    command = [sys.executable, "-m", "ttt.experiments.scale", *args, "--steps", "1", "--modes", "second"]
+    subprocess.run([*command, "--out", str(out)], check=True, capture_output=True, timeout=600)
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["status"] == "ok" and row["s_per_step"] > 0
+    assert "trainer.fsdp_cpu_offload=true" in row["overrides"]
+    strategy = scale.one_device_strategy(load_config(args))
+    assert isinstance(strategy, SecondOrderFSDPStrategy) and strategy.cpu_offload
+    assert scale.one_device_strategy(load_config(args[:4])) == "auto"
