@@ -14,7 +14,7 @@ import functools
 import torch
 import triton
 
-from . import tiling
+from . import hopper, tiling
 from ._backward import attention_backward_dkdv_kernel, attention_backward_dq_kernel, row_dot_kernel
 from ._bob import attention_bob_cols_kernel, attention_bob_rows_kernel
 from ._forward import attention_forward_kernel
@@ -246,7 +246,11 @@ def bob(q, k, v, out, lse, dout, dq, u_q, u_k, u_v, *, causal: bool, window: int
         )
 
     _launch("bob_rows", q, run_rows, PRECISION=precision, **flags)
-    _launch("bob_cols", q, run_cols, PRECISION=precision, **flags)
+    if hopper.bob_cols_applies(q, k, v, dout, u_q_, u_k_, u_v_, grad_k, grad_v, causal=causal):
+        hopper.bob_cols(_start, q, k, v, dout, u_q_, u_k_, u_v_, lse, delta, row_c, row_e, grad_k, grad_v,
+                        svec=row_stride(n), heads_q=heads_q, group=group, common=common)
+    else:
+        _launch("bob_cols", q, run_cols, PRECISION=precision, **flags)
     return grad_q, grad_k, grad_v, grad_dout
 
 

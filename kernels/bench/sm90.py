@@ -42,6 +42,7 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
+from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import create_function_from_signature
 
 from kernels import tiling, triton_ops, validation
@@ -92,7 +93,7 @@ def describe(compiled, kwargs: dict, itemsize: int = 2) -> dict:
         for shape, a in re.findall(r"HGMMA\.(\d+x\d+x\d+)\S*\s+\S+,\s*(\S+)", sass))
     return {"kernel": compiled.metadata.name, **{k: kwargs[k] for k in FLAGS if k in kwargs},
             **{k: kwargs.get(k) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_D", "num_warps", "num_stages",
-                                          "maxnreg")},
+                                          "STAGES", "maxnreg")},
             "regs": regs, "stack_bytes": stack, "spill_stores": len(re.findall(r"\bSTL\b", sass)),
             "spill_loads": len(re.findall(r"\bLDL\b", sass)), "instructions": len(instructions),
             "sass_hash": hashlib.sha1("\n".join(instructions).encode()).hexdigest()[:12],
@@ -116,9 +117,11 @@ class CompileOnly:
             bound, specialization, options = binder(*args, **kwargs)
             options, signature, constexprs, attrs = self.fn._pack_args(
                 backend, kwargs, bound, specialization, options)
-            source = ASTSource(self.fn, signature, constexprs, attrs)
+            source_type = GluonASTSource if self.fn.is_gluon() else ASTSource
+            source = source_type(self.fn, signature, constexprs, attrs)
             compiled = triton.compile(source, target=self.target, options=options.__dict__)
-            self.rows.append(describe(compiled, kwargs, args[0].element_size()))
+            first = getattr(args[0], "base", args[0])   # a Gluon kernel's first argument: a TMA descriptor
+            self.rows.append(describe(compiled, kwargs, first.element_size()))
             return compiled
 
         return compile_launch
@@ -128,15 +131,20 @@ class CompileOnly:
 def compile_only(target: GPUTarget, rows: list, ops=triton_ops):
     """Within the block, every kernel the launchers in `ops` (kernels.triton_ops, or another tree's
     copy) start is compiled only."""
-    names = [name for name in vars(ops) if name.endswith("_kernel")]
-    real = {name: getattr(ops, name) for name in names}
-    for name in names:
-        setattr(ops, name, CompileOnly(real[name], target, rows))
+    hopper = sys.modules.get(ops.__name__.rpartition(".")[0] + ".hopper")   # absent in older trees
+    patched = [(ops, name) for name in vars(ops) if name.endswith("_kernel")]
+    if hopper is not None:
+        patched += [(hopper, name) for name in vars(hopper) if name.endswith("_kernel")]
+        patched.append((hopper, "on_hopper"))
+    real = [(module, name, getattr(module, name)) for module, name in patched]
+    for module, name, fn in real:
+        stand_in = (lambda q: target.arch == 90) if name == "on_hopper" else CompileOnly(fn, target, rows)
+        setattr(module, name, stand_in)
     try:
         yield
     finally:
-        for name, fn in real.items():
-            setattr(ops, name, fn)
+        for module, name, fn in real:
+            setattr(module, name, fn)
 
 
 def device_settings(stage: str, d: int, dtype: torch.dtype, limits: tiling.DeviceLimits, given: dict,

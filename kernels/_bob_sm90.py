@@ -1,0 +1,212 @@
+"""The BoB columns kernel for Hopper (sm_90), written in Gluon: the pass of `_bob.attention_bob_cols_kernel`
+(K̄ and V̄ per key block, c and e known; notation and formulas in kernels/_bob.py) with its tiles moved by
+the tensor-memory accelerator (TMA) and its products issued as warpgroup MMAs.
+
+One program owns BLOCK_N keys of one (batch, kv head). Its key-side tiles (K, and V, U_K, U_V where
+their flags are on) are loaded once; the query-side tiles (Q, dO, U_Q) of its GROUP query heads stream
+through a ring of STAGES shared-memory buffers, each filled by TMA and completed on its own mbarrier,
+the next tiles in flight while the current ones are used. Per query tile the score-side products
+(S^T = K Q^T, U_V dO^T, V dO^T, K U_Q^T + U_K Q^T) are issued together and waited on once; the
+accumulating products (into K̄ and V̄) take their left operand from registers. Tiles are 4-D TMA boxes
+(1, 1, rows, D) of (B, H, L, D) tensors of any 16-byte-aligned strides, so rows past a head's length
+read as zeros and never as the next head's. The masks and ranges are the portable kernels' own helpers.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+from ._tiles import NO_SPECIALIZE, col_tile_needs_mask, load_key_range, lse_log2, query_range, visible_t
+
+
+@gluon.jit
+def _issue_query_tiles(t, n_tiles, lo, b, hk, GROUP, q_desc, do_desc, uq_desc, bars, q_ring, do_ring, uq_ring,
+                       LOAD_DO: gl.constexpr, HAS_UQ: gl.constexpr, BLOCK_M: gl.constexpr,
+                       STAGES: gl.constexpr):
+    """Start the TMA loads of query tile t (head t // n_tiles of the group, rows lo + (t % n_tiles) *
+    BLOCK_M) into ring slot t % STAGES, completing on that slot's barrier."""
+    slot = t % STAGES
+    h = hk * GROUP + t // n_tiles
+    start_m = lo + (t % n_tiles) * BLOCK_M
+    nbytes: gl.constexpr = q_desc.block_type.nbytes * (1 + LOAD_DO + HAS_UQ)
+    bar = bars.index(slot)
+    mbarrier.expect(bar, nbytes)
+    tma.async_copy_global_to_shared(q_desc, [b, h, start_m, 0], bar, q_ring.index(slot))
+    if LOAD_DO:
+        tma.async_copy_global_to_shared(do_desc, [b, h, start_m, 0], bar, do_ring.index(slot))
+    if HAS_UQ:
+        tma.async_copy_global_to_shared(uq_desc, [b, h, start_m, 0], bar, uq_ring.index(slot))
+
+
+@gluon.jit
+def _query_vectors(t, n_tiles, lo, b, hk, GROUP, HEADS_Q, svec, Lse, E, Delta, C, HAS_G: gl.constexpr,
+                   BLOCK_M: gl.constexpr, layout: gl.constexpr):
+    """The float32 row vectors of query tile t: lse in base 2 (+inf past the rows), e, and with HAS_G
+    delta and c (zeros otherwise), each (BLOCK_M,) in `layout`."""
+    h = hk * GROUP + t // n_tiles
+    row = (b * HEADS_Q + h).to(gl.int64) * svec
+    offs_m = lo + (t % n_tiles) * BLOCK_M + gl.arange(0, BLOCK_M, layout=layout)
+    inside = offs_m < svec
+    lse2 = lse_log2(Lse + row, offs_m, svec)
+    e = gl.load(E + row + offs_m, mask=inside, other=0.0)
+    if HAS_G:
+        delta = gl.load(Delta + row + offs_m, mask=inside, other=0.0)
+        c = gl.load(C + row + offs_m, mask=inside, other=0.0)
+    else:
+        delta = gl.zeros_like(e)
+        c = gl.zeros_like(e)
+    return lse2, e, delta, c
+
+
+@gluon.jit(do_not_specialize=NO_SPECIALIZE, do_not_specialize_on_alignment=["GROUP"])
+def attention_bob_cols_sm90_kernel(
+    q_desc, k_desc, v_desc, do_desc, uq_desc, uk_desc, uv_desc,
+    Lse, Delta, C, E, GK, GV, sgb, sgh, sgn, svec,
+    N, M, HEADS_Q, HEADS_KV, GROUP, OFFSET, WINDOW, qk_scale_log2, scale, KeyRange,
+    CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_RANGE: gl.constexpr, HAS_UQ: gl.constexpr,
+    HAS_UK: gl.constexpr, HAS_UV: gl.constexpr, HAS_G: gl.constexpr, HEAD_DIM: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PREFETCH: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """One program: BLOCK_N keys of one (batch, kv head), summing over its GROUP query heads; writes K̄
+    and V̄ (GK, GV: (B, Hkv, M, D), shared strides). Grid (cdiv(M, BLOCK_N), B * Hkv). Descriptors: TMA
+    boxes (1, 1, BLOCK_M, D) of q, dout, u_q and (1, 1, BLOCK_N, D) of k, v, u_k, u_v (an absent
+    cotangent's flag is off and its descriptor, a stand-in, is never read)."""
+    LOAD_DO: gl.constexpr = HAS_UV or HAS_G
+    dtype: gl.constexpr = q_desc.dtype
+    score_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16])
+    left_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    keys_of: gl.constexpr = gl.SliceLayout(1, score_layout)
+    queries_of: gl.constexpr = gl.SliceLayout(0, score_layout)
+
+    pid_n = gl.program_id(0)
+    pid_bh = gl.program_id(1)
+    b = pid_bh // HEADS_KV
+    hk = pid_bh % HEADS_KV
+    KS, KE = load_key_range(KeyRange, b.to(gl.int64), M, HAS_RANGE)
+    start_n = pid_n * BLOCK_N
+    offs_n = start_n + gl.arange(0, BLOCK_N, layout=keys_of)
+
+    key_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(key_bar.index(0), count=1)
+    k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
+    key_bytes: gl.constexpr = k_desc.block_type.nbytes * (1 + HAS_G + HAS_UK + HAS_UV)
+    if HAS_G:
+        v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
+    if HAS_UK:
+        uk_smem = gl.allocate_shared_memory(dtype, uk_desc.block_type.shape, uk_desc.layout)
+    if HAS_UV:
+        uv_smem = gl.allocate_shared_memory(dtype, uv_desc.block_type.shape, uv_desc.layout)
+    mbarrier.expect(key_bar.index(0), key_bytes)
+    tma.async_copy_global_to_shared(k_desc, [b, hk, start_n, 0], key_bar.index(0), k_smem)
+    if HAS_G:
+        tma.async_copy_global_to_shared(v_desc, [b, hk, start_n, 0], key_bar.index(0), v_smem)
+    if HAS_UK:
+        tma.async_copy_global_to_shared(uk_desc, [b, hk, start_n, 0], key_bar.index(0), uk_smem)
+    if HAS_UV:
+        tma.async_copy_global_to_shared(uv_desc, [b, hk, start_n, 0], key_bar.index(0), uv_smem)
+
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    q_ring = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_ring = q_ring
+    uq_ring = q_ring
+    if LOAD_DO:
+        do_ring = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    if HAS_UQ:
+        uq_ring = gl.allocate_shared_memory(dtype, [STAGES] + uq_desc.block_type.shape, uq_desc.layout)
+
+    lo, hi = query_range(start_n, N, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW, HAS_RANGE, BLOCK_M, BLOCK_N)
+    n_tiles = (gl.maximum(hi - lo, 0) + BLOCK_M - 1) // BLOCK_M
+    total = GROUP * n_tiles
+    for t in gl.static_range(STAGES - 1):
+        if t < total:
+            _issue_query_tiles(t, n_tiles, lo, b, hk, GROUP, q_desc, do_desc, uq_desc, bars, q_ring, do_ring,
+                               uq_ring, LOAD_DO, HAS_UQ, BLOCK_M, STAGES)
+
+    mbarrier.wait(key_bar.index(0), phase=0)
+    k_t = k_smem.reshape([BLOCK_N, HEAD_DIM])
+    if HAS_G:
+        v_t = v_smem.reshape([BLOCK_N, HEAD_DIM])
+    if HAS_UK:
+        uk_t = uk_smem.reshape([BLOCK_N, HEAD_DIM])
+    if HAS_UV:
+        uv_t = uv_smem.reshape([BLOCK_N, HEAD_DIM])
+
+    acc_k = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
+    acc_v = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
+    zero_scores = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, score_layout)
+    lse2, e, delta, c = _query_vectors(0, n_tiles, lo, b, hk, GROUP, HEADS_Q, svec, Lse, E, Delta, C,
+                                       HAS_G, BLOCK_M, queries_of)
+    for t in range(total):
+        ahead = t + STAGES - 1
+        if ahead < total:
+            _issue_query_tiles(ahead, n_tiles, lo, b, hk, GROUP, q_desc, do_desc, uq_desc, bars, q_ring,
+                               do_ring, uq_ring, LOAD_DO, HAS_UQ, BLOCK_M, STAGES)
+        if PREFETCH:  # the next tile's row vectors, loaded now and used one step later
+            next_lse2, next_e, next_delta, next_c = _query_vectors(
+                gl.minimum(t + 1, total - 1), n_tiles, lo, b, hk, GROUP, HEADS_Q, svec, Lse, E, Delta, C,
+                HAS_G, BLOCK_M, queries_of)
+        else:
+            lse2, e, delta, c = _query_vectors(t, n_tiles, lo, b, hk, GROUP, HEADS_Q, svec, Lse, E, Delta, C,
+                                               HAS_G, BLOCK_M, queries_of)
+        slot = t % STAGES
+        start_m = lo + (t % n_tiles) * BLOCK_M
+        offs_m = start_m + gl.arange(0, BLOCK_M, layout=queries_of)
+        mbarrier.wait(bars.index(slot), phase=(t // STAGES) & 1)
+        q_t = q_ring.index(slot).reshape([BLOCK_M, HEAD_DIM])
+        if LOAD_DO:
+            do_t = do_ring.index(slot).reshape([BLOCK_M, HEAD_DIM])
+
+        # With gc = G - c and P_dP = P*(dP - delta) (transposed): V̄ += (P*gc)^T dO,
+        # K̄ += P_dP^T U_Q + [P*(U_V dO^T - e - c*delta) + gc*P_dP]^T Q (= (P*(G_P - e))^T Q).
+        st = warpgroup_mma(k_t, q_t.permute((1, 0)), zero_scores, use_acc=False, is_async=True)
+        if HAS_UV:
+            uvdo = warpgroup_mma(uv_t, do_t.permute((1, 0)), zero_scores, use_acc=False, is_async=True)
+        st = warpgroup_mma_wait(num_outstanding=HAS_UV, deps=(st,))
+        pt = gl.exp2(st * qk_scale_log2 - lse2[None, :])
+        if col_tile_needs_mask(start_m, start_n, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW, HAS_RANGE,
+                               BLOCK_M, BLOCK_N):
+            seen = visible_t(offs_n, offs_m, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW, HAS_RANGE)
+            pt = gl.where(seen, pt, 0.0)
+        base = -e
+        if HAS_G:
+            base -= c * delta
+        if HAS_UV:
+            r = pt * (warpgroup_mma_wait(num_outstanding=0, deps=(uvdo,)) + base[None, :])
+        else:
+            r = pt * base[None, :]
+        if HAS_G:
+            if HAS_UQ:
+                uq_t = uq_ring.index(slot).reshape([BLOCK_M, HEAD_DIM])
+                gt = warpgroup_mma(k_t, uq_t.permute((1, 0)), zero_scores, use_acc=False, is_async=True)
+                if HAS_UK:
+                    gt = warpgroup_mma(uk_t, q_t.permute((1, 0)), gt, is_async=True)
+            else:
+                gt = warpgroup_mma(uk_t, q_t.permute((1, 0)), zero_scores, use_acc=False, is_async=True)
+            dpt = warpgroup_mma(v_t, do_t.permute((1, 0)), zero_scores, use_acc=False, is_async=True)
+            gt = warpgroup_mma_wait(num_outstanding=1, deps=(gt,))
+            gc = gt * scale - c[None, :]
+            acc_v = warpgroup_mma(gl.convert_layout((pt * gc).to(dtype), left_layout), do_t, acc_v)
+            dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt,))
+            p_dpt = pt * (dpt - delta[None, :])
+            if HAS_UQ:
+                acc_k = warpgroup_mma(gl.convert_layout(p_dpt.to(dtype), left_layout), uq_t, acc_k)
+            r += gc * p_dpt
+        acc_k = warpgroup_mma(gl.convert_layout(r.to(dtype), left_layout), q_t, acc_k)
+        if PREFETCH:
+            lse2, e, delta, c = next_lse2, next_e, next_delta, next_c
+
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+    mbarrier.invalidate(key_bar.index(0))
+    out_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
+    out_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+    offsets = out_n[:, None].to(gl.int64) * sgn + out_d[None, :]
+    keep = out_n[:, None] < M
+    gl.store(GK + b.to(gl.int64) * sgb + hk * sgh + offsets, (acc_k * scale).to(dtype), mask=keep)
+    gl.store(GV + b.to(gl.int64) * sgb + hk * sgh + offsets, acc_v.to(dtype), mask=keep)

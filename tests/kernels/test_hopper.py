@@ -1,0 +1,185 @@
+"""The Hopper (sm_90) BoB columns path (kernels/hopper.py, kernels/_bob_sm90.py).
+
+On the CPU: it compiles for sm_90 through the public launcher without spilling registers. On an
+H100 / H200: its BoB outputs against float64 autograd with outputs poisoned, within 2x the error of
+plain PyTorch in the same dtype, over masks, GQA, odd lengths, key ranges, strided layouts and partial
+cotangents, and a second-order gradient through the public API takes it.
+"""
+
+import itertools
+
+import pytest
+import torch
+from kernel_cases import DEVICE, Case, autograd_reference, make_inputs, rel_err
+from test_bench_sm90 import compile_rows, needs_tools
+from test_triton_stages import check, plain_torch_errors
+
+import kernels
+from kernels import hopper, triton_ops
+
+ON_HOPPER = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0)
+hopper_only = pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU")
+
+
+@pytest.fixture(autouse=True)
+def poison_outputs(monkeypatch):
+    monkeypatch.setattr(triton_ops, "POISON_OUTPUTS", True)
+
+
+@pytest.fixture
+def hopper_launches(monkeypatch):
+    """A list that records every launch of the Hopper columns pass, which runs wherever it can."""
+    monkeypatch.setenv(hopper.ENV, "1")
+    calls = []
+    real = hopper.bob_cols
+
+    def counted(*args, **kwargs):
+        calls.append(args[1].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hopper, "bob_cols", counted)
+    return calls
+
+
+@needs_tools
+@pytest.mark.parametrize("d, mask, key_range", [(64, "causal", True), (128, "full", False)])
+def test_it_compiles_for_sm90_spilling_no_more_than_the_portable_kernel(tmp_path, monkeypatch, d, mask,
+                                                                       key_range):
+    args = ["--stage", "bob", "--d", str(d), "--mask", mask, *(["--key-range"] if key_range else [])]
+    monkeypatch.setenv(hopper.ENV, "1")
+    (cols,) = [r for r in compile_rows(tmp_path, *args) if "cols" in r["kernel"]]
+    monkeypatch.setenv(hopper.ENV, "0")
+    (portable,) = [r for r in compile_rows(tmp_path, *args) if "cols" in r["kernel"]]
+    assert cols["kernel"] == "attention_bob_cols_sm90_kernel"
+    assert portable["kernel"] == "attention_bob_cols_kernel"
+    assert cols["HAS_RANGE"] == key_range and cols["CAUSAL"] == (mask == "causal")
+    assert sum(cols["hgmma"].values()) > 0, "no warpgroup MMA in the SASS"
+    assert cols["spill_stores"] <= portable["spill_stores"], (cols, portable)
+
+
+def test_it_does_not_apply_off_hopper(monkeypatch):
+    q = torch.zeros(1, 1, 16, 64, dtype=torch.bfloat16)
+    monkeypatch.setenv(hopper.ENV, "1")
+    assert not hopper.bob_cols_applies(q, q, causal=True)
+
+
+def test_by_default_it_applies_where_it_measured_faster(monkeypatch):
+    monkeypatch.setattr(hopper, "on_hopper", lambda q: True)
+    q = torch.zeros(1, 1, 16, 64, dtype=torch.bfloat16)
+    monkeypatch.delenv(hopper.ENV, raising=False)
+    assert hopper.bob_cols_applies(q, q, causal=True) and not hopper.bob_cols_applies(q, q, causal=False)
+    assert not hopper.bob_cols_applies(q.float(), q.float(), causal=True)
+    unaligned = torch.zeros(1, 1, 16, 68, dtype=torch.bfloat16)[..., :64]   # rows 136 bytes apart
+    assert not hopper.bob_cols_applies(q, unaligned, causal=True)
+    monkeypatch.setenv(hopper.ENV, "0")
+    assert not hopper.bob_cols_applies(q, q, causal=True)
+    monkeypatch.setenv(hopper.ENV, "yes")
+    with pytest.raises(ValueError, match="FLASHBOB_SM90='yes': expected auto, 0 or 1"):
+        hopper.bob_cols_applies(q, q, causal=True)
+
+
+SUBSETS = [s for r in (1, 2) for s in itertools.combinations(("u_q", "u_k", "u_v"), r)]
+CASES = [
+    Case(1, 2, 2, 37, 37, 64),
+    Case(2, 4, 2, 63, 63, 64, causal=True),
+    Case(1, 4, 1, 200, 200, 128, causal=True),
+    Case(1, 2, 2, 45, 29, 128),
+    Case(1, 2, 2, 29, 45, 64, causal=True),
+    Case(1, 2, 1, 130, 130, 64, causal=True, window=17),
+    Case(1, 2, 2, 300, 300, 128, causal=True, window=70),
+    Case(1, 1, 1, 1, 1, 64),
+    Case(1, 1, 1, 1, 1, 128, causal=True),
+    Case(1, 2, 2, 1, 300, 64),
+    Case(2, 8, 8, 1000, 1000, 64, causal=True),
+    Case(1, 4, 4, 777, 777, 128),
+]
+
+
+def run_bob(case, inputs, dtype, key_range=None, transpose=False):
+    q, k, v, dout, u_q, u_k, u_v = (t.to(dtype) for t in inputs)
+    if transpose:  # (B, H, L, D) views of (B, L, H, D) storage, as models hold them
+        q, k, v, dout, u_q, u_k, u_v = (t.transpose(1, 2).contiguous().transpose(1, 2)
+                                        for t in (q, k, v, dout, u_q, u_k, u_v))
+    opts = dict(causal=case.causal, window=case.window, backend="triton")
+    if key_range is not None:
+        opts.update(key_start=key_range[:, 0], key_end=key_range[:, 1])
+    out, lse = kernels.attention_forward(q, k, v, **opts)
+    dq, _, _ = kernels.attention_backward(q, k, v, out, lse, dout, **opts)
+    return kernels.attention_bob(q, k, v, out, lse, dout, dq, u_q, u_k, u_v, **opts)
+
+
+@pytest.mark.gpu
+@hopper_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_bob_matches_float64(case, dtype, layout, hopper_launches):
+    inputs = make_inputs(case)
+    ref = autograd_reference(case, *inputs)
+    baseline = plain_torch_errors(case, inputs, ref, dtype)
+    bob = run_bob(case, inputs, dtype, transpose=layout == "transposed")
+    assert hopper_launches, "the Hopper path did not run"
+    for i in (1, 2):  # grad_k, grad_v: the columns pass (grad_q, grad_dout: the portable rows pass)
+        check(f"bob{i}", bob[i], ref["bob"][i], dtype, baseline)
+    for i in (0, 3):
+        assert not bob[i].isnan().any()
+
+
+@pytest.mark.gpu
+@hopper_only
+@pytest.mark.parametrize("present", SUBSETS,
+                         ids="+".join)
+@pytest.mark.parametrize("case", [Case(1, 4, 2, 63, 63, 64, causal=True), Case(1, 2, 2, 45, 29, 128)],
+                         ids=lambda c: c.id)
+def test_bob_with_partial_cotangents(case, present, hopper_launches):
+    q, k, v, dout, *us = make_inputs(case, seed=1)
+    us = [u if name in present else None for name, u in zip(("u_q", "u_k", "u_v"), us)]
+    ref = autograd_reference(case, q, k, v, dout, *us)
+    full = [u if u is not None else torch.zeros_like(x) for u, x in zip(us, (q, k, v))]
+    baseline = plain_torch_errors(case, (q, k, v, dout, *full), ref, torch.bfloat16)
+    inputs = [t.bfloat16() for t in (q, k, v, dout)] + [None if u is None else u.bfloat16() for u in us]
+    opts = dict(causal=case.causal, window=case.window, backend="triton")
+    out, lse = kernels.attention_forward(*inputs[:3], **opts)
+    dq, _, _ = kernels.attention_backward(*inputs[:3], out, lse, inputs[3], **opts)
+    bob = kernels.attention_bob(*inputs[:3], out, lse, inputs[3], dq, *inputs[4:], **opts)
+    assert hopper_launches
+    for i, (got, want) in enumerate(zip(bob, ref["bob"])):
+        if i in (0, 3):
+            continue  # the portable rows pass; test_triton_stages covers it
+        if want.norm() == 0:
+            assert torch.equal(got.cpu().float(), torch.zeros_like(got.cpu().float())), f"output {i}"
+        else:
+            check(f"bob{i}", got, want, torch.bfloat16, baseline)
+
+
+@pytest.mark.gpu
+@hopper_only
+@pytest.mark.parametrize("ranges", [[[0, 37], [5, 20]], [[10, 200], [0, 0]]], ids=["ranges", "empty_row"])
+def test_bob_with_key_ranges(ranges, hopper_launches):
+    case = Case(2, 4, 2, 200, 200, 64, causal=True)
+    key_range = torch.tensor(ranges, dtype=torch.int32, device=DEVICE)
+    inputs = make_inputs(case, seed=3)
+    got = run_bob(case, inputs, torch.bfloat16, key_range=key_range)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(hopper.ENV, "0")
+        portable = run_bob(case, inputs, torch.bfloat16, key_range=key_range)
+    assert len(hopper_launches) == 1
+    for i, (a, b) in enumerate(zip(got, portable)):
+        assert not a.isnan().any(), f"output {i} has NaN"
+        assert rel_err(a, b) <= 2e-2, f"output {i}: {rel_err(a, b):.3g} from the portable kernels"
+
+
+@pytest.mark.gpu
+@hopper_only
+def test_grad_of_grad_through_the_public_api_takes_it(hopper_launches):
+    case = Case(1, 4, 4, 256, 256, 64, causal=True)
+    q, k, v, dout, u_q, u_k, u_v = make_inputs(case, seed=2)
+    ref = autograd_reference(case, q, k, v, dout, u_q, u_k, u_v)
+    baseline = plain_torch_errors(case, (q, k, v, dout, u_q, u_k, u_v), ref, torch.bfloat16)
+    q, k, v, dout = (t.bfloat16().requires_grad_() for t in (q, k, v, dout))
+    out = kernels.flash_attention(q, k, v, causal=True, backend="triton")
+    firsts = torch.autograd.grad(out, (q, k, v), dout, create_graph=True)
+    bob = torch.autograd.grad(firsts, (q, k, v, dout), (u_q.bfloat16(), u_k.bfloat16(), u_v.bfloat16()))
+    assert hopper_launches
+    for i, (got, want) in enumerate(zip(bob, ref["bob"])):
+        check(f"bob{i}", got, want, torch.bfloat16, baseline)
