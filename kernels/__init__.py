@@ -20,7 +20,10 @@ Supported
       device's shared memory per block (kernels/tiling.py; FLASHBOB_MAX_SHARED_MEM=163K or 99K
       imposes an A100's or an L4's on a larger GPU). The first forward of a kind of call whose
       inputs require grad compiles the kernels of forward, backward and BoB side by side on threads
-      (kernels.precompile; FLASHBOB_PRECOMPILE=0 compiles each at its first launch instead);
+      (kernels.precompile; FLASHBOB_PRECOMPILE=0 compiles each at its first launch instead). On
+      Hopper the BoB's columns pass of 16-bit inputs at head dim 64, causal, runs a Gluon kernel
+      with TMA and warpgroup MMAs (kernels.hopper; FLASHBOB_SM90=1 runs it at head dim 128 and
+      full masks too, where it is slower, =0 never);
     * derivatives: first and second order. The second (backward-over-backward) runs the FlashBoB
       kernels: exact, O(N) extra memory, no N x N tensor. A third derivative raises an error on the
       Triton path (use backend="torch");
