@@ -11,9 +11,11 @@ pass stays portable everywhere.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
+import triton
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -26,9 +28,9 @@ TILES = {
     128: dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, STAGES=2, PREFETCH=False),
 }
 """Head dim -> the columns kernel's tiles: BLOCK_M queries per step, BLOCK_N keys per program (64 per
-warpgroup), num_warps, STAGES query tiles in flight, PREFETCH: each tile's row vectors loaded one step
-early. Chosen so that no launch spills registers
-(`python -m kernels.bench sm90`-style compiles for sm_90)."""
+warpgroup), num_warps, STAGES query tiles in flight, PREFETCH (each tile's row vectors loaded one step
+early: slower, kept off). The fastest of an H200 sweep (docs/kernel_notes.md, 2026-12-03); at head dim
+64 the kernel spills 10 registers (the portable kernel 19), at 128 none."""
 GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
@@ -73,8 +75,13 @@ def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     stride of a dimension of size 1 is never followed, so an aligned one stands in for it."""
     block = [1, 1, rows, t.shape[-1]]
     strides = [stride if size > 1 else t.shape[-1] for size, stride in zip(t.shape, t.stride())]
-    layout = gl.NVMMASharedLayout.get_default_for(block, GL_DTYPES[t.dtype])
-    return TensorDescriptor(t, list(t.shape), strides, block, layout)
+    return TensorDescriptor(t, list(t.shape), strides, block, _shared_layout(rows, t.shape[-1], t.dtype))
+
+
+@functools.cache
+def _shared_layout(rows: int, head_dim: int, dtype: torch.dtype) -> gl.NVMMASharedLayout:
+    """The shared-memory layout of a (1, 1, rows, head_dim) box (computed once per shape, not per call)."""
+    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim], GL_DTYPES[dtype])
 
 
 def bob_cols(start, q, k, v, dout, u_q, u_k, u_v, lse, delta, row_c, row_e, grad_k, grad_v, *,
@@ -89,7 +96,7 @@ def bob_cols(start, q, k, v, dout, u_q, u_k, u_v, lse, delta, row_c, row_e, grad
     queries = [_descriptor(t, tiles["BLOCK_M"]) for t in (q, dout, u_q)]
     keys = [_descriptor(t, tiles["BLOCK_N"]) for t in (k, v, u_k, u_v)]
     args = {name: value for name, value in common.items() if name != "PRECISION"}
-    grid = (-(-m // tiles["BLOCK_N"]), batch * heads_kv)
+    grid = (triton.cdiv(m, tiles["BLOCK_N"]), batch * heads_kv)
     return start(attention_bob_cols_sm90_kernel, grid)(
         queries[0], keys[0], keys[1], queries[1], queries[2], keys[2], keys[3],
         lse, delta, row_c, row_e, grad_k, grad_v, *grad_k.stride()[:3], svec,
