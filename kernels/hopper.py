@@ -11,11 +11,9 @@ pass stays portable everywhere.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
-import triton
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -75,13 +73,8 @@ def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     stride of a dimension of size 1 is never followed, so an aligned one stands in for it."""
     block = [1, 1, rows, t.shape[-1]]
     strides = [stride if size > 1 else t.shape[-1] for size, stride in zip(t.shape, t.stride())]
-    return TensorDescriptor(t, list(t.shape), strides, block, _shared_layout(rows, t.shape[-1], t.dtype))
-
-
-@functools.cache
-def _shared_layout(rows: int, head_dim: int, dtype: torch.dtype) -> gl.NVMMASharedLayout:
-    """The shared-memory layout of a (1, 1, rows, head_dim) box (computed once per shape, not per call)."""
-    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim], GL_DTYPES[dtype])
+    layout = gl.NVMMASharedLayout.get_default_for(block, GL_DTYPES[t.dtype])
+    return TensorDescriptor(t, list(t.shape), strides, block, layout)
 
 
 def bob_cols(start, q, k, v, dout, u_q, u_k, u_v, lse, delta, row_c, row_e, grad_k, grad_v, *,
@@ -96,7 +89,7 @@ def bob_cols(start, q, k, v, dout, u_q, u_k, u_v, lse, delta, row_c, row_e, grad
     queries = [_descriptor(t, tiles["BLOCK_M"]) for t in (q, dout, u_q)]
     keys = [_descriptor(t, tiles["BLOCK_N"]) for t in (k, v, u_k, u_v)]
     args = {name: value for name, value in common.items() if name != "PRECISION"}
-    grid = (triton.cdiv(m, tiles["BLOCK_N"]), batch * heads_kv)
+    grid = (-(-m // tiles["BLOCK_N"]), batch * heads_kv)
     return start(attention_bob_cols_sm90_kernel, grid)(
         queries[0], keys[0], keys[1], queries[1], queries[2], keys[2], keys[3],
         lse, delta, row_c, row_e, grad_k, grad_v, *grad_k.stride()[:3], svec,
