@@ -1,22 +1,39 @@
-"""The BoB columns kernel for Hopper (sm_90), written in Gluon: the pass of `_bob.attention_bob_cols_kernel`
-(K̄ and V̄ per key block, c and e known; notation and formulas in kernels/_bob.py) with its tiles moved by
-the tensor-memory accelerator (TMA) and its products issued as warpgroup MMAs.
+"""The BoB kernels for Hopper (sm_90), written in Gluon: the two passes of `kernels/_bob.py` (notation and
+formulas there) with their tiles moved by the tensor-memory accelerator (TMA) and their products issued
+as warpgroup MMAs.
 
-One program owns BLOCK_N keys of one (batch, kv head). Its key-side tiles (K, and V, U_K, U_V where
-their flags are on) are loaded once; the query-side tiles (Q, dO, U_Q) of its GROUP query heads stream
-through a ring of STAGES shared-memory buffers, each filled by TMA and completed on its own mbarrier,
-the next tiles in flight while the current ones are used. Per query tile the score-side products
-(S^T = K Q^T, U_V dO^T, V dO^T, K U_Q^T + U_K Q^T) are issued together and waited on once; the
-accumulating products (into K̄ and V̄) take their left operand from registers. Tiles are 4-D TMA boxes
-(1, 1, rows, D) of (B, H, L, D) tensors of any 16-byte-aligned strides, so rows past a head's length
-read as zeros and never as the next head's. The masks and ranges are the portable kernels' own helpers.
+Columns pass: one program owns BLOCK_N keys of one (batch, kv head) and writes K̄ and V̄, c and e known.
+Its key-side tiles (K, and V, U_K, U_V where their flags are on) are loaded once; the query-side tiles
+(Q, dO, U_Q) of its GROUP query heads stream through a ring of STAGES shared-memory buffers, each filled
+by TMA and completed on its own mbarrier, the next tiles in flight while the current ones are used.
+Per query tile the score-side products (S^T = K Q^T, U_V dO^T, V dO^T, K U_Q^T + U_K Q^T) are issued
+together and waited on once; the accumulating products (into K̄ and V̄) take their left operand from
+registers.
+
+Rows pass: one program owns BLOCK_M queries of one (batch, query head) and writes Q̄, c, e (WANT_GQ)
+and dŌ (WANT_GDO), with the one-sweep affine split of the portable rows kernel. Its query-side tiles
+are loaded once; the key-side tiles (K, V, U_K, U_V) stream through the ring.
+
+Tiles are 4-D TMA boxes (1, 1, rows, D) of (B, H, L, D) tensors of any 16-byte-aligned strides, so
+rows past a head's length read as zeros and never as the next head's. The masks and ranges are the
+portable kernels' own helpers.
 """
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from ._tiles import NO_SPECIALIZE, col_tile_needs_mask, load_key_range, lse_log2, query_range, visible_t
+from ._tiles import (
+    NO_SPECIALIZE,
+    col_tile_needs_mask,
+    key_range,
+    load_key_range,
+    lse_log2,
+    query_range,
+    row_tile_needs_mask,
+    visible,
+    visible_t,
+)
 
 
 @gluon.jit
@@ -210,3 +227,199 @@ def attention_bob_cols_sm90_kernel(
     keep = out_n[:, None] < M
     gl.store(GK + b.to(gl.int64) * sgb + hk * sgh + offsets, (acc_k * scale).to(dtype), mask=keep)
     gl.store(GV + b.to(gl.int64) * sgb + hk * sgh + offsets, acc_v.to(dtype), mask=keep)
+
+
+@gluon.jit
+def _issue_key_tiles(t, lo, b, hk, k_desc, v_desc, uk_desc, uv_desc, bars, k_ring, v_ring, uk_ring, uv_ring,
+                     HAS_G: gl.constexpr, HAS_UK: gl.constexpr, HAS_UV: gl.constexpr, BLOCK_N: gl.constexpr,
+                     STAGES: gl.constexpr):
+    """Start the TMA loads of key tile t (keys lo + t * BLOCK_N of kv head hk) into ring slot
+    t % STAGES, completing on that slot's barrier."""
+    slot = t % STAGES
+    start_n = lo + t * BLOCK_N
+    nbytes: gl.constexpr = k_desc.block_type.nbytes * (1 + HAS_G + HAS_UK + HAS_UV)
+    bar = bars.index(slot)
+    mbarrier.expect(bar, nbytes)
+    tma.async_copy_global_to_shared(k_desc, [b, hk, start_n, 0], bar, k_ring.index(slot))
+    if HAS_G:
+        tma.async_copy_global_to_shared(v_desc, [b, hk, start_n, 0], bar, v_ring.index(slot))
+    if HAS_UK:
+        tma.async_copy_global_to_shared(uk_desc, [b, hk, start_n, 0], bar, uk_ring.index(slot))
+    if HAS_UV:
+        tma.async_copy_global_to_shared(uv_desc, [b, hk, start_n, 0], bar, uv_ring.index(slot))
+
+
+@gluon.jit
+def _load_rows(base, sb, sh, sn, b, h, offs_m, offs_d, N):
+    """The (BLOCK_M, D) float32 tile of rows offs_m of (b, h) of a (B, H, N, D) tensor, zeros past N;
+    its layout is that of offs_m[:, None] + offs_d[None, :]."""
+    offsets = offs_m[:, None].to(gl.int64) * sn + offs_d[None, :]
+    return gl.load(base + b.to(gl.int64) * sb + h.to(gl.int64) * sh + offsets, mask=offs_m[:, None] < N,
+                   other=0.0).to(gl.float32)
+
+
+@gluon.jit(do_not_specialize=NO_SPECIALIZE, do_not_specialize_on_alignment=["GROUP"])
+def attention_bob_rows_sm90_kernel(
+    q_desc, k_desc, v_desc, do_desc, uq_desc, uk_desc, uv_desc,
+    O, DQ, Lse, Delta, GQ, GDO, C, E, sob, soh, son, sdqb, sdqh, sdqn, sgb, sgh, sgn, svec,
+    N, M, HEADS_Q, GROUP, OFFSET, WINDOW, qk_scale_log2, scale, KeyRange,
+    CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_RANGE: gl.constexpr, HAS_UQ: gl.constexpr,
+    HAS_UK: gl.constexpr, HAS_UV: gl.constexpr, HAS_G: gl.constexpr, WANT_GQ: gl.constexpr,
+    WANT_GDO: gl.constexpr, HEAD_DIM: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
+):
+    """One program: BLOCK_M query rows of one (batch, query head); writes Q̄, c, e (WANT_GQ) and dŌ
+    (WANT_GDO) (GQ, GDO: (B, Hq, N, D), shared strides; C, E: the float32 row vectors, rows svec
+    apart). Grid (cdiv(N, BLOCK_M), B * Hq). Descriptors: TMA boxes (1, 1, BLOCK_M, D) of q, dout,
+    u_q and (1, 1, BLOCK_N, D) of k, v, u_k, u_v (an absent cotangent's flag is off and its
+    descriptor, a stand-in, is never read); O and DQ are read through their strides."""
+    LOAD_DO: gl.constexpr = WANT_GQ and (HAS_UV or HAS_G)
+    NEEDS_W: gl.constexpr = WANT_GQ and HAS_UV
+    dtype: gl.constexpr = q_desc.dtype
+    score_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16])
+    left_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    rows_of: gl.constexpr = gl.SliceLayout(1, score_layout)
+    keys_of: gl.constexpr = gl.SliceLayout(0, score_layout)
+    acc_rows: gl.constexpr = gl.SliceLayout(1, acc_layout)
+
+    pid_m = gl.program_id(0)
+    pid_bh = gl.program_id(1)
+    b = pid_bh // HEADS_Q
+    h = pid_bh % HEADS_Q
+    hk = h // GROUP
+    KS, KE = load_key_range(KeyRange, b.to(gl.int64), M, HAS_RANGE)
+    row = pid_bh.to(gl.int64) * svec
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + gl.arange(0, BLOCK_M, layout=rows_of)
+
+    query_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(query_bar.index(0), count=1)
+    q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
+    do_smem = q_smem
+    uq_smem = q_smem
+    if LOAD_DO:
+        do_smem = gl.allocate_shared_memory(dtype, do_desc.block_type.shape, do_desc.layout)
+    if HAS_UQ:
+        uq_smem = gl.allocate_shared_memory(dtype, uq_desc.block_type.shape, uq_desc.layout)
+    mbarrier.expect(query_bar.index(0), q_desc.block_type.nbytes * (1 + LOAD_DO + HAS_UQ))
+    tma.async_copy_global_to_shared(q_desc, [b, h, start_m, 0], query_bar.index(0), q_smem)
+    if LOAD_DO:
+        tma.async_copy_global_to_shared(do_desc, [b, h, start_m, 0], query_bar.index(0), do_smem)
+    if HAS_UQ:
+        tma.async_copy_global_to_shared(uq_desc, [b, h, start_m, 0], query_bar.index(0), uq_smem)
+
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    k_ring = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_ring = k_ring
+    uk_ring = k_ring
+    uv_ring = k_ring
+    if HAS_G:
+        v_ring = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    if HAS_UK:
+        uk_ring = gl.allocate_shared_memory(dtype, [STAGES] + uk_desc.block_type.shape, uk_desc.layout)
+    if HAS_UV:
+        uv_ring = gl.allocate_shared_memory(dtype, [STAGES] + uv_desc.block_type.shape, uv_desc.layout)
+
+    lo, hi = key_range(start_m, M, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW, HAS_RANGE, BLOCK_M, BLOCK_N)
+    total = (gl.maximum(hi - lo, 0) + BLOCK_N - 1) // BLOCK_N
+    for t in gl.static_range(STAGES - 1):
+        if t < total:
+            _issue_key_tiles(t, lo, b, hk, k_desc, v_desc, uk_desc, uv_desc, bars, k_ring, v_ring, uk_ring,
+                             uv_ring, HAS_G, HAS_UK, HAS_UV, BLOCK_N, STAGES)
+
+    lse2 = lse_log2(Lse + row, offs_m, svec)
+    delta = gl.load(Delta + row + offs_m, mask=offs_m < svec, other=0.0)
+    mbarrier.wait(query_bar.index(0), phase=0)
+    q_t = q_smem.reshape([BLOCK_M, HEAD_DIM])
+    if LOAD_DO:
+        do_t = do_smem.reshape([BLOCK_M, HEAD_DIM])
+    if HAS_UQ:
+        uq_t = uq_smem.reshape([BLOCK_M, HEAD_DIM])
+
+    acc_q = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout)    # sum X K + dS U_K
+    acc_pk = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout)   # sum P K
+    acc_do = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout)   # sum P U_V + (P*G) V
+    zero_scores = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, score_layout)
+    c = gl.zeros([BLOCK_M], gl.float32, rows_of)
+    x_sum = gl.zeros([BLOCK_M], gl.float32, rows_of)
+    for t in range(total):
+        ahead = t + STAGES - 1
+        if ahead < total:
+            _issue_key_tiles(ahead, lo, b, hk, k_desc, v_desc, uk_desc, uv_desc, bars, k_ring, v_ring, uk_ring,
+                             uv_ring, HAS_G, HAS_UK, HAS_UV, BLOCK_N, STAGES)
+        slot = t % STAGES
+        start_n = lo + t * BLOCK_N
+        mbarrier.wait(bars.index(slot), phase=(t // STAGES) & 1)
+        k_t = k_ring.index(slot).reshape([BLOCK_N, HEAD_DIM])
+        if HAS_G:
+            v_t = v_ring.index(slot).reshape([BLOCK_N, HEAD_DIM])
+        if HAS_UK:
+            uk_t = uk_ring.index(slot).reshape([BLOCK_N, HEAD_DIM])
+        if HAS_UV:
+            uv_t = uv_ring.index(slot).reshape([BLOCK_N, HEAD_DIM])
+
+        s = warpgroup_mma(q_t, k_t.permute((1, 0)), zero_scores, use_acc=False, is_async=True)
+        if NEEDS_W:
+            w = warpgroup_mma(do_t, uv_t.permute((1, 0)), zero_scores, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=NEEDS_W, deps=(s,))
+        p = gl.exp2(s * qk_scale_log2 - lse2[:, None])
+        if row_tile_needs_mask(start_m, start_n, M, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW, HAS_RANGE,
+                               BLOCK_M, BLOCK_N):
+            offs_n = start_n + gl.arange(0, BLOCK_N, layout=keys_of)
+            seen = visible(offs_m, offs_n, N, M, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW, HAS_RANGE)
+            p = gl.where(seen, p, 0.0)
+        if NEEDS_W:
+            x = p * warpgroup_mma_wait(num_outstanding=0, deps=(w,))
+        else:
+            x = zero_scores
+        if WANT_GDO and HAS_UV:
+            acc_do = warpgroup_mma(gl.convert_layout(p.to(dtype), left_layout), uv_t, acc_do)
+        if HAS_G:
+            if HAS_UQ:
+                g = warpgroup_mma(uq_t, k_t.permute((1, 0)), zero_scores, use_acc=False, is_async=True)
+                if HAS_UK:
+                    g = warpgroup_mma(q_t, uk_t.permute((1, 0)), g, is_async=True)
+            else:
+                g = warpgroup_mma(q_t, uk_t.permute((1, 0)), zero_scores, use_acc=False, is_async=True)
+            if WANT_GQ:
+                dp = warpgroup_mma(do_t, v_t.permute((1, 0)), zero_scores, use_acc=False, is_async=True)
+            g = warpgroup_mma_wait(num_outstanding=WANT_GQ, deps=(g,))
+            pg = p * g * scale
+            c += gl.sum(pg, 1)
+            if WANT_GDO:
+                acc_do = warpgroup_mma(gl.convert_layout(pg.to(dtype), left_layout), v_t, acc_do)
+            if WANT_GQ:
+                dp_shift = warpgroup_mma_wait(num_outstanding=0, deps=(dp,)) - delta[:, None]
+                x += pg * dp_shift
+                if HAS_UK:
+                    acc_q = warpgroup_mma(gl.convert_layout((p * dp_shift).to(dtype), left_layout), uk_t, acc_q)
+        if WANT_GQ:
+            x_sum += gl.sum(x, 1)
+            acc_q = warpgroup_mma(gl.convert_layout(x.to(dtype), left_layout), k_t, acc_q)
+            acc_pk = warpgroup_mma(gl.convert_layout(p.to(dtype), left_layout), k_t, acc_pk)
+
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+    mbarrier.invalidate(query_bar.index(0))
+    out_m = start_m + gl.arange(0, BLOCK_M, layout=acc_rows)
+    out_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+    offsets = out_m[:, None].to(gl.int64) * sgn + out_d[None, :]
+    keep = out_m[:, None] < N
+    g_base = b.to(gl.int64) * sgb + h.to(gl.int64) * sgh
+    c_acc = gl.convert_layout(c, acc_rows)
+    if WANT_GQ:
+        gq = acc_q * scale - gl.convert_layout(scale * x_sum, acc_rows)[:, None] * acc_pk
+        if HAS_G:
+            gq -= c_acc[:, None] * _load_rows(DQ, sdqb, sdqh, sdqn, b, h, out_m, out_d, N)
+        gl.store(GQ + g_base + offsets, gq.to(dtype), mask=keep)
+        gl.store(C + row + offs_m, c, mask=offs_m < svec)
+        gl.store(E + row + offs_m, x_sum - c * delta, mask=offs_m < svec)
+    if WANT_GDO:
+        if HAS_G:
+            acc_do -= c_acc[:, None] * _load_rows(O, sob, soh, son, b, h, out_m, out_d, N)
+        gl.store(GDO + g_base + offsets, acc_do.to(dtype), mask=keep)

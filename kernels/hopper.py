@@ -1,12 +1,11 @@
-"""The Hopper (sm_90) launch path of the BoB columns pass: when it applies, its tiles, its TMA
-descriptors and its launch (the kernel: kernels/_bob_sm90.py).
+"""The Hopper (sm_90) launch path of the BoB's two passes: when each applies, its tiles, its TMA
+descriptors and its launch (the kernels: kernels/_bob_sm90.py).
 
-It can run on a device of compute capability 9.0 on 16-bit inputs of head dim 64 or 128 whose
+A pass can run on a device of compute capability 9.0 on 16-bit inputs of head dim 64 or 128 whose
 strides TMA can address (unit stride in the head dim, the others and the base address 16-byte
-aligned). By default it runs only where it measured faster (`FASTER`); the environment variable
-FLASHBOB_SM90=1 runs it wherever it can, =0 never. Everything else (other GPUs, float32, other head
-dims, the CPU interpreter) takes the portable kernel, with the same results up to rounding. The rows
-pass stays portable everywhere.
+aligned). By default each runs only where it measured faster (`FASTER`); the environment variable
+FLASHBOB_SM90=1 runs both wherever they can, =0 never. Everything else (other GPUs, float32, other
+head dims, the CPU interpreter) takes the portable kernels, with the same results up to rounding.
 """
 
 from __future__ import annotations
@@ -17,11 +16,11 @@ import torch
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ._bob_sm90 import attention_bob_cols_sm90_kernel
+from ._bob_sm90 import attention_bob_cols_sm90_kernel, attention_bob_rows_sm90_kernel
 from .validation import triton_interpreter_enabled
 
 ENV = "FLASHBOB_SM90"
-TILES = {
+COLS_TILES = {
     64: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=2, PREFETCH=False),
     128: dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, STAGES=2, PREFETCH=False),
 }
@@ -29,12 +28,22 @@ TILES = {
 warpgroup), num_warps, STAGES query tiles in flight, PREFETCH (each tile's row vectors loaded one step
 early: slower, kept off). The fastest of an H200 sweep (docs/kernel_notes.md, 2026-12-03); at head dim
 64 the kernel spills 10 registers (the portable kernel 19), at 128 none."""
+ROWS_LAUNCHES = {
+    64: (dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, STAGES=2),),
+    128: (dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, STAGES=2), dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=1)),
+}
+"""Head dim -> the rows kernel's launches, each with its tiles: BLOCK_M queries per program (64 per
+warpgroup), BLOCK_N keys per step, num_warps, STAGES key tiles in flight. One launch writes every
+output; two write Q̄ with c and e, then dŌ, where the three (BLOCK_M, D) float32 accumulators of one
+launch would not fit the registers. The fastest of an H200 sweep (docs/kernel_notes.md, 2026-12-03,
+rows pass): at head dim 128 the dŌ launch (one (64, 128) accumulator, 189 registers) takes 64 keys a
+step with one stage, which keeps two programs per SM within the shared memory; none spills."""
 GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
-FASTER = {(64, True)}
-"""(head dim, causal) where the Hopper path measured faster than the portable kernels on an H200 (BoB
-call at 16K, bf16, same run; docs/kernel_notes.md): the default takes it there only."""
+FASTER = {"cols": {(64, True)}, "rows": {(64, True), (64, False), (128, True), (128, False)}}
+"""Pass -> the (head dim, causal) where its Hopper kernel measured faster than the portable one on an
+H200 (BoB call at 16K, bf16, same run; docs/kernel_notes.md): the default takes it there only."""
 
 
 def mode() -> str:
@@ -58,13 +67,13 @@ def on_hopper(q: torch.Tensor) -> bool:
             and torch.cuda.get_device_capability(q.device) == (9, 0))
 
 
-def bob_cols_applies(q: torch.Tensor, *tensors: torch.Tensor, causal: bool) -> bool:
-    """Whether the BoB columns pass of inputs like q (B, Hq, N, D) and `tensors` (every tensor the
-    pass reads or writes, (B, H, L, D)) runs on the Hopper path."""
+def applies(pass_name: str, q: torch.Tensor, *tensors: torch.Tensor, causal: bool) -> bool:
+    """Whether the BoB pass `pass_name` ("rows" or "cols") of inputs like q (B, Hq, N, D) and
+    `tensors` (every tensor the pass reads through TMA, (B, H, L, D)) runs on the Hopper path."""
     chosen = mode()
-    if chosen == "0" or (chosen == "auto" and (q.shape[-1], causal) not in FASTER):
+    if chosen == "0" or (chosen == "auto" and (q.shape[-1], causal) not in FASTER[pass_name]):
         return False
-    return (q.dtype in GL_DTYPES and q.shape[-1] in TILES and on_hopper(q)
+    return (q.dtype in GL_DTYPES and q.shape[-1] in COLS_TILES and on_hopper(q)
             and all(_tma_addressable(t) for t in (q, *tensors)))
 
 
@@ -85,7 +94,7 @@ def bob_cols(start, q, k, v, dout, u_q, u_k, u_v, lse, delta, row_c, row_e, grad
     launch (or, under `triton_ops.compiling_only`, the compile); common: the mask arguments, flags,
     scales and HEAD_DIM the portable launch takes (its PRECISION is dropped: 16-bit products)."""
     batch, heads_kv, m, d = k.shape
-    tiles = TILES[d]
+    tiles = COLS_TILES[d]
     queries = [_descriptor(t, tiles["BLOCK_M"]) for t in (q, dout, u_q)]
     keys = [_descriptor(t, tiles["BLOCK_N"]) for t in (k, v, u_k, u_v)]
     args = {name: value for name, value in common.items() if name != "PRECISION"}
@@ -95,3 +104,27 @@ def bob_cols(start, q, k, v, dout, u_q, u_k, u_v, lse, delta, row_c, row_e, grad
         lse, delta, row_c, row_e, grad_k, grad_v, *grad_k.stride()[:3], svec,
         q.shape[2], m, heads_q, heads_kv, group, **args, **tiles,
     )
+
+
+def bob_rows(start, q, k, v, out, dout, dq, u_q, u_k, u_v, lse, delta, grad_q, grad_dout, row_c, row_e, *,
+             svec: int, heads_q: int, group: int, common: dict):
+    """Launch the rows pass: writes grad_q, grad_dout (B, Hq, N, D, shared strides) and the float32
+    row vectors row_c, row_e (B, Hq, N; rows `svec` apart) from q, out, dout, dq, u_q (B, Hq, N, D),
+    k, v, u_k, u_v (B, Hkv, M, D; absent cotangents: stand-ins with their flag off in `common`), lse
+    and delta, in the launches `ROWS_LAUNCHES` gives. start and common: as `bob_cols` takes them."""
+    batch, _, n, d = q.shape
+    launches = ROWS_LAUNCHES[d]
+    wants = ((True, False), (False, True)) if len(launches) == 2 else ((True, True),)
+    args = {name: value for name, value in common.items() if name != "PRECISION"}
+    compiled = []
+    for tiles, (gq, gdo) in zip(launches, wants):
+        queries = [_descriptor(t, tiles["BLOCK_M"]) for t in (q, dout, u_q)]
+        keys = [_descriptor(t, tiles["BLOCK_N"]) for t in (k, v, u_k, u_v)]
+        grid = (-(-n // tiles["BLOCK_M"]), batch * heads_q)
+        compiled.append(start(attention_bob_rows_sm90_kernel, grid)(
+            queries[0], keys[0], keys[1], queries[1], queries[2], keys[2], keys[3],
+            out, dq, lse, delta, grad_q, grad_dout, row_c, row_e, *out.stride()[:3], *dq.stride()[:3],
+            *grad_q.stride()[:3], svec, n, k.shape[2], heads_q, group, **args, WANT_GQ=gq, WANT_GDO=gdo,
+            **tiles,
+        ))
+    return compiled

@@ -245,8 +245,12 @@ def bob(q, k, v, out, lse, dout, dq, u_q, u_k, u_v, *, causal: bool, window: int
             n, m, heads_q, heads_kv, group, **common, **cfg,
         )
 
-    _launch("bob_rows", q, run_rows, PRECISION=precision, **flags)
-    if hopper.bob_cols_applies(q, k, v, dout, u_q_, u_k_, u_v_, grad_k, grad_v, causal=causal):
+    if hopper.applies("rows", q, k, v, dout, u_q_, u_k_, u_v_, causal=causal):
+        hopper.bob_rows(_start, q, k, v, out, dout, dq, u_q_, u_k_, u_v_, lse, delta, grad_q, grad_dout,
+                        row_c, row_e, svec=row_stride(n), heads_q=heads_q, group=group, common=common)
+    else:
+        _launch("bob_rows", q, run_rows, PRECISION=precision, **flags)
+    if hopper.applies("cols", q, k, v, dout, u_q_, u_k_, u_v_, causal=causal):
         hopper.bob_cols(_start, q, k, v, dout, u_q_, u_k_, u_v_, lse, delta, row_c, row_e, grad_k, grad_v,
                         svec=row_stride(n), heads_q=heads_q, group=group, common=common)
     else:

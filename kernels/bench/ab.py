@@ -67,7 +67,7 @@ from kernels.bench import (
 )
 
 MODES = ("bob", "step")
-SPLIT_KERNELS = {"rows_ms": "attention_bob_rows_kernel", "cols_ms": "attention_bob_cols_kernel",
+SPLIT_KERNELS = {"rows_ms": "attention_bob_rows", "cols_ms": "attention_bob_cols",
                  "row_dot_ms": "row_dot_kernel"}
 """With --kernel-split, the BoB mode's GPU ms per call in each kernel (the profiler's names)."""
 WARM_N = 256
