@@ -350,8 +350,8 @@ def attention_bob_rows_sm90_kernel(
     for t in range(total):
         ahead = t + STAGES - 1
         if ahead < total:
-            _issue_key_tiles(ahead, lo, b, hk, k_desc, v_desc, uk_desc, uv_desc, bars, k_ring, v_ring, uk_ring,
-                             uv_ring, HAS_G, HAS_UK, HAS_UV, BLOCK_N, STAGES)
+            _issue_key_tiles(ahead, lo, b, hk, k_desc, v_desc, uk_desc, uv_desc, bars, k_ring, v_ring,
+                             uk_ring, uv_ring, HAS_G, HAS_UK, HAS_UV, BLOCK_N, STAGES)
         slot = t % STAGES
         start_n = lo + t * BLOCK_N
         mbarrier.wait(bars.index(slot), phase=(t // STAGES) & 1)
@@ -373,10 +373,7 @@ def attention_bob_rows_sm90_kernel(
             offs_n = start_n + gl.arange(0, BLOCK_N, layout=keys_of)
             seen = visible(offs_m, offs_n, N, M, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW, HAS_RANGE)
             p = gl.where(seen, p, 0.0)
-        if NEEDS_W:
-            x = p * warpgroup_mma_wait(num_outstanding=0, deps=(w,))
-        else:
-            x = zero_scores
+        x = p * warpgroup_mma_wait(num_outstanding=0, deps=(w,)) if NEEDS_W else zero_scores
         if WANT_GDO and HAS_UV:
             acc_do = warpgroup_mma(gl.convert_layout(p.to(dtype), left_layout), uv_t, acc_do)
         if HAS_G:
@@ -397,7 +394,8 @@ def attention_bob_rows_sm90_kernel(
                 dp_shift = warpgroup_mma_wait(num_outstanding=0, deps=(dp,)) - delta[:, None]
                 x += pg * dp_shift
                 if HAS_UK:
-                    acc_q = warpgroup_mma(gl.convert_layout((p * dp_shift).to(dtype), left_layout), uk_t, acc_q)
+                    p_dp = gl.convert_layout((p * dp_shift).to(dtype), left_layout)
+                    acc_q = warpgroup_mma(p_dp, uk_t, acc_q)
         if WANT_GQ:
             x_sum += gl.sum(x, 1)
             acc_q = warpgroup_mma(gl.convert_layout(x.to(dtype), left_layout), k_t, acc_q)

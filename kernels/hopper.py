@@ -30,7 +30,8 @@ early: slower, kept off). The fastest of an H200 sweep (docs/kernel_notes.md, 20
 64 the kernel spills 10 registers (the portable kernel 19), at 128 none."""
 ROWS_LAUNCHES = {
     64: (dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, STAGES=2),),
-    128: (dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, STAGES=2), dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=1)),
+    128: (dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, STAGES=2),
+          dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=1)),
 }
 """Head dim -> the rows kernel's launches, each with its tiles: BLOCK_M queries per program (64 per
 warpgroup), BLOCK_N keys per step, num_warps, STAGES key tiles in flight. One launch writes every
