@@ -21,9 +21,9 @@ Supported
       imposes an A100's or an L4's on a larger GPU). The first forward of a kind of call whose
       inputs require grad compiles the kernels of forward, backward and BoB side by side on threads
       (kernels.precompile; FLASHBOB_PRECOMPILE=0 compiles each at its first launch instead). On
-      Hopper the BoB's columns pass of 16-bit inputs at head dim 64, causal, runs a Gluon kernel
-      with TMA and warpgroup MMAs (kernels.hopper; FLASHBOB_SM90=1 runs it at head dim 128 and
-      full masks too, where it is slower, =0 never);
+      Hopper the BoB of 16-bit inputs at head dims 64 and 128 runs Gluon kernels with TMA and
+      warpgroup MMAs: its rows pass always, its columns pass at head dim 64 causal, where it is
+      faster (kernels.hopper; FLASHBOB_SM90=1 runs both passes wherever they can, =0 never);
     * derivatives: first and second order. The second (backward-over-backward) runs the FlashBoB
       kernels: exact, O(N) extra memory, no N x N tensor. A third derivative raises an error on the
       Triton path (use backend="torch");
