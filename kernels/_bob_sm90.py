@@ -10,9 +10,11 @@ Per query tile the score-side products (S^T = K Q^T, U_V dO^T, V dO^T, K U_Q^T +
 together and waited on once; the accumulating products (into K̄ and V̄) take their left operand from
 registers.
 
-Rows pass: one program owns BLOCK_M queries of one (batch, query head) and writes Q̄, c, e (WANT_GQ)
-and dŌ (WANT_GDO), with the one-sweep affine split of the portable rows kernel. Its query-side tiles
-are loaded once; the key-side tiles (K, V, U_K, U_V) stream through the ring.
+Rows pass: one program owns BLOCK_M queries of one (batch, query head) and writes Q̄, dŌ, c and e,
+with the one-sweep affine split of the portable rows kernel. Its query-side tiles are loaded once; the
+key-side tiles (K, V, U_K, U_V) stream through the ring. Where the three (BLOCK_M, D) float32
+accumulators do not fit the registers (head dim 128), it leaves out sum[P K] (LATE_PK) and writes
+Q̄ without its last term, in float32; a second, forward-like kernel (S and P K only) adds it.
 
 Tiles are 4-D TMA boxes (1, 1, rows, D) of (B, H, L, D) tensors of any 16-byte-aligned strides, so
 rows past a head's length read as zeros and never as the next head's. The masks and ranges are the
@@ -264,17 +266,17 @@ def attention_bob_rows_sm90_kernel(
     O, DQ, Lse, Delta, GQ, GDO, C, E, sob, soh, son, sdqb, sdqh, sdqn, sgb, sgh, sgn, svec,
     N, M, HEADS_Q, GROUP, OFFSET, WINDOW, qk_scale_log2, scale, KeyRange,
     CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_RANGE: gl.constexpr, HAS_UQ: gl.constexpr,
-    HAS_UK: gl.constexpr, HAS_UV: gl.constexpr, HAS_G: gl.constexpr, WANT_GQ: gl.constexpr,
-    WANT_GDO: gl.constexpr, HEAD_DIM: gl.constexpr,
+    HAS_UK: gl.constexpr, HAS_UV: gl.constexpr, HAS_G: gl.constexpr, LATE_PK: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
 ):
-    """One program: BLOCK_M query rows of one (batch, query head); writes Q̄, c, e (WANT_GQ) and dŌ
-    (WANT_GDO) (GQ, GDO: (B, Hq, N, D), shared strides; C, E: the float32 row vectors, rows svec
+    """One program: BLOCK_M query rows of one (batch, query head); writes Q̄ (with LATE_PK: s*sum[X K
+    + dS U_K] - c*dQ, into a float32 GQ), dŌ, c and e (GQ, GDO: (B, Hq, N, D), shared element
+    strides; C, E: the float32 row vectors, rows svec
     apart). Grid (cdiv(N, BLOCK_M), B * Hq). Descriptors: TMA boxes (1, 1, BLOCK_M, D) of q, dout,
     u_q and (1, 1, BLOCK_N, D) of k, v, u_k, u_v (an absent cotangent's flag is off and its
     descriptor, a stand-in, is never read); O and DQ are read through their strides."""
-    LOAD_DO: gl.constexpr = WANT_GQ and (HAS_UV or HAS_G)
-    NEEDS_W: gl.constexpr = WANT_GQ and HAS_UV
+    LOAD_DO: gl.constexpr = HAS_UV or HAS_G
     dtype: gl.constexpr = q_desc.dtype
     score_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])
@@ -364,17 +366,17 @@ def attention_bob_rows_sm90_kernel(
             uv_t = uv_ring.index(slot).reshape([BLOCK_N, HEAD_DIM])
 
         s = warpgroup_mma(q_t, k_t.permute((1, 0)), zero_scores, use_acc=False, is_async=True)
-        if NEEDS_W:
+        if HAS_UV:
             w = warpgroup_mma(do_t, uv_t.permute((1, 0)), zero_scores, use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=NEEDS_W, deps=(s,))
+        s = warpgroup_mma_wait(num_outstanding=HAS_UV, deps=(s,))
         p = gl.exp2(s * qk_scale_log2 - lse2[:, None])
         if row_tile_needs_mask(start_m, start_n, M, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW, HAS_RANGE,
                                BLOCK_M, BLOCK_N):
             offs_n = start_n + gl.arange(0, BLOCK_N, layout=keys_of)
             seen = visible(offs_m, offs_n, N, M, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW, HAS_RANGE)
             p = gl.where(seen, p, 0.0)
-        x = p * warpgroup_mma_wait(num_outstanding=0, deps=(w,)) if NEEDS_W else zero_scores
-        if WANT_GDO and HAS_UV:
+        x = p * warpgroup_mma_wait(num_outstanding=0, deps=(w,)) if HAS_UV else zero_scores
+        if HAS_UV:
             acc_do = warpgroup_mma(gl.convert_layout(p.to(dtype), left_layout), uv_t, acc_do)
         if HAS_G:
             if HAS_UQ:
@@ -383,22 +385,19 @@ def attention_bob_rows_sm90_kernel(
                     g = warpgroup_mma(q_t, uk_t.permute((1, 0)), g, is_async=True)
             else:
                 g = warpgroup_mma(q_t, uk_t.permute((1, 0)), zero_scores, use_acc=False, is_async=True)
-            if WANT_GQ:
-                dp = warpgroup_mma(do_t, v_t.permute((1, 0)), zero_scores, use_acc=False, is_async=True)
-            g = warpgroup_mma_wait(num_outstanding=WANT_GQ, deps=(g,))
+            dp = warpgroup_mma(do_t, v_t.permute((1, 0)), zero_scores, use_acc=False, is_async=True)
+            g = warpgroup_mma_wait(num_outstanding=1, deps=(g,))
             pg = p * g * scale
             c += gl.sum(pg, 1)
-            if WANT_GDO:
-                acc_do = warpgroup_mma(gl.convert_layout(pg.to(dtype), left_layout), v_t, acc_do)
-            if WANT_GQ:
-                dp_shift = warpgroup_mma_wait(num_outstanding=0, deps=(dp,)) - delta[:, None]
-                x += pg * dp_shift
-                if HAS_UK:
-                    p_dp = gl.convert_layout((p * dp_shift).to(dtype), left_layout)
-                    acc_q = warpgroup_mma(p_dp, uk_t, acc_q)
-        if WANT_GQ:
-            x_sum += gl.sum(x, 1)
-            acc_q = warpgroup_mma(gl.convert_layout(x.to(dtype), left_layout), k_t, acc_q)
+            acc_do = warpgroup_mma(gl.convert_layout(pg.to(dtype), left_layout), v_t, acc_do)
+            dp_shift = warpgroup_mma_wait(num_outstanding=0, deps=(dp,)) - delta[:, None]
+            x += pg * dp_shift
+            if HAS_UK:
+                p_dp = gl.convert_layout((p * dp_shift).to(dtype), left_layout)
+                acc_q = warpgroup_mma(p_dp, uk_t, acc_q)
+        x_sum += gl.sum(x, 1)
+        acc_q = warpgroup_mma(gl.convert_layout(x.to(dtype), left_layout), k_t, acc_q)
+        if not LATE_PK:
             acc_pk = warpgroup_mma(gl.convert_layout(p.to(dtype), left_layout), k_t, acc_pk)
 
     for i in gl.static_range(STAGES):
@@ -410,14 +409,97 @@ def attention_bob_rows_sm90_kernel(
     keep = out_m[:, None] < N
     g_base = b.to(gl.int64) * sgb + h.to(gl.int64) * sgh
     c_acc = gl.convert_layout(c, acc_rows)
-    if WANT_GQ:
-        gq = acc_q * scale - gl.convert_layout(scale * x_sum, acc_rows)[:, None] * acc_pk
-        if HAS_G:
-            gq -= c_acc[:, None] * _load_rows(DQ, sdqb, sdqh, sdqn, b, h, out_m, out_d, N)
-        gl.store(GQ + g_base + offsets, gq.to(dtype), mask=keep)
-        gl.store(C + row + offs_m, c, mask=offs_m < svec)
-        gl.store(E + row + offs_m, x_sum - c * delta, mask=offs_m < svec)
-    if WANT_GDO:
-        if HAS_G:
-            acc_do -= c_acc[:, None] * _load_rows(O, sob, soh, son, b, h, out_m, out_d, N)
-        gl.store(GDO + g_base + offsets, acc_do.to(dtype), mask=keep)
+    gq = acc_q * scale
+    if not LATE_PK:
+        gq -= gl.convert_layout(scale * x_sum, acc_rows)[:, None] * acc_pk
+    if HAS_G:
+        gq -= c_acc[:, None] * _load_rows(DQ, sdqb, sdqh, sdqn, b, h, out_m, out_d, N)
+    gl.store(GQ + g_base + offsets, gq.to(GQ.dtype.element_ty), mask=keep)
+    gl.store(C + row + offs_m, c, mask=offs_m < svec)
+    gl.store(E + row + offs_m, x_sum - c * delta, mask=offs_m < svec)
+    if HAS_G:
+        acc_do -= c_acc[:, None] * _load_rows(O, sob, soh, son, b, h, out_m, out_d, N)
+    gl.store(GDO + g_base + offsets, acc_do.to(dtype), mask=keep)
+
+
+@gluon.jit(do_not_specialize=NO_SPECIALIZE, do_not_specialize_on_alignment=["GROUP"])
+def attention_bob_rows_pk_sm90_kernel(
+    q_desc, k_desc, Lse, Delta, C, E, GQ_PART, GQ, sgb, sgh, sgn, svec,
+    N, M, HEADS_Q, GROUP, OFFSET, WINDOW, qk_scale_log2, scale, KeyRange,
+    CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_RANGE: gl.constexpr, HEAD_DIM: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
+):
+    """The rows pass's last term after a LATE_PK launch: Q̄ = GQ_PART - s*x*sum[P K] with x = e + c*delta
+    (GQ_PART float32 and GQ, (B, Hq, N, D), shared element strides). Grid (cdiv(N, BLOCK_M), B * Hq);
+    descriptors: TMA boxes (1, 1, BLOCK_M, D) of q and (1, 1, BLOCK_N, D) of k."""
+    dtype: gl.constexpr = q_desc.dtype
+    score_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16])
+    left_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    rows_of: gl.constexpr = gl.SliceLayout(1, score_layout)
+    acc_rows: gl.constexpr = gl.SliceLayout(1, acc_layout)
+
+    pid_m = gl.program_id(0)
+    pid_bh = gl.program_id(1)
+    b = pid_bh // HEADS_Q
+    h = pid_bh % HEADS_Q
+    hk = h // GROUP
+    KS, KE = load_key_range(KeyRange, b.to(gl.int64), M, HAS_RANGE)
+    row = pid_bh.to(gl.int64) * svec
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + gl.arange(0, BLOCK_M, layout=rows_of)
+
+    query_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(query_bar.index(0), count=1)
+    q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
+    mbarrier.expect(query_bar.index(0), q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [b, h, start_m, 0], query_bar.index(0), q_smem)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    k_ring = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+
+    lo, hi = key_range(start_m, M, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW, HAS_RANGE, BLOCK_M, BLOCK_N)
+    total = (gl.maximum(hi - lo, 0) + BLOCK_N - 1) // BLOCK_N
+    for t in gl.static_range(STAGES - 1):
+        if t < total:
+            _issue_key_tiles(t, lo, b, hk, k_desc, k_desc, k_desc, k_desc, bars, k_ring, k_ring, k_ring,
+                             k_ring, False, False, False, BLOCK_N, STAGES)
+    lse2 = lse_log2(Lse + row, offs_m, svec)
+    mbarrier.wait(query_bar.index(0), phase=0)
+    q_t = q_smem.reshape([BLOCK_M, HEAD_DIM])
+    acc_pk = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout)
+    zero_scores = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, score_layout)
+    for t in range(total):
+        ahead = t + STAGES - 1
+        if ahead < total:
+            _issue_key_tiles(ahead, lo, b, hk, k_desc, k_desc, k_desc, k_desc, bars, k_ring, k_ring, k_ring,
+                             k_ring, False, False, False, BLOCK_N, STAGES)
+        slot = t % STAGES
+        start_n = lo + t * BLOCK_N
+        mbarrier.wait(bars.index(slot), phase=(t // STAGES) & 1)
+        k_t = k_ring.index(slot).reshape([BLOCK_N, HEAD_DIM])
+        s = warpgroup_mma(q_t, k_t.permute((1, 0)), zero_scores, use_acc=False)
+        p = gl.exp2(s * qk_scale_log2 - lse2[:, None])
+        if row_tile_needs_mask(start_m, start_n, M, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW, HAS_RANGE,
+                               BLOCK_M, BLOCK_N):
+            offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, score_layout))
+            seen = visible(offs_m, offs_n, N, M, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW, HAS_RANGE)
+            p = gl.where(seen, p, 0.0)
+        acc_pk = warpgroup_mma(gl.convert_layout(p.to(dtype), left_layout), k_t, acc_pk)
+
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+    mbarrier.invalidate(query_bar.index(0))
+    out_m = start_m + gl.arange(0, BLOCK_M, layout=acc_rows)
+    out_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+    inside = out_m < svec
+    x = (gl.load(E + row + out_m, mask=inside, other=0.0)
+         + gl.load(C + row + out_m, mask=inside, other=0.0)
+         * gl.load(Delta + row + out_m, mask=inside, other=0.0))
+    offsets = b.to(gl.int64) * sgb + h.to(gl.int64) * sgh + out_m[:, None].to(gl.int64) * sgn + out_d[None, :]
+    keep = out_m[:, None] < N
+    gq = gl.load(GQ_PART + offsets, mask=keep, other=0.0) - (scale * x)[:, None] * acc_pk
+    gl.store(GQ + offsets, gq.to(dtype), mask=keep)

@@ -16,7 +16,11 @@ import torch
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ._bob_sm90 import attention_bob_cols_sm90_kernel, attention_bob_rows_sm90_kernel
+from ._bob_sm90 import (
+    attention_bob_cols_sm90_kernel,
+    attention_bob_rows_pk_sm90_kernel,
+    attention_bob_rows_sm90_kernel,
+)
 from .validation import triton_interpreter_enabled
 
 ENV = "FLASHBOB_SM90"
@@ -31,14 +35,15 @@ early: slower, kept off). The fastest of an H200 sweep (docs/kernel_notes.md, 20
 ROWS_LAUNCHES = {
     64: (dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, STAGES=2),),
     128: (dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, STAGES=2),
-          dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=1)),
+          dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=2)),
 }
-"""Head dim -> the rows kernel's launches, each with its tiles: BLOCK_M queries per program (64 per
+"""Head dim -> the rows pass's launches, each with its tiles: BLOCK_M queries per program (64 per
 warpgroup), BLOCK_N keys per step, num_warps, STAGES key tiles in flight. One launch writes every
-output; two write Q̄ with c and e, then dŌ, where the three (BLOCK_M, D) float32 accumulators of one
-launch would not fit the registers. The fastest of an H200 sweep (docs/kernel_notes.md, 2026-12-03,
-rows pass): at head dim 128 the dŌ launch (one (64, 128) accumulator, 189 registers) takes 64 keys a
-step with one stage, which keeps two programs per SM within the shared memory; none spills."""
+output; two, where the three (BLOCK_M, D) float32 accumulators of one launch would not fit the
+registers (head dim 128), leave sum[P K] to a second, forward-like kernel, Q̄ passing between them
+in a float32 (B, Hq, N, D) buffer (10 products per tile instead of the 13 of a split into Q̄ and dŌ
+launches). The fastest of H200 sweeps (docs/kernel_notes.md, 2026-12-03, rows pass); compiled for
+sm_90: head dim 64 227 registers, no spills; 128 255 registers and 2 spill stores, then 127."""
 GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
@@ -109,23 +114,28 @@ def bob_cols(start, q, k, v, dout, u_q, u_k, u_v, lse, delta, row_c, row_e, grad
 
 def bob_rows(start, q, k, v, out, dout, dq, u_q, u_k, u_v, lse, delta, grad_q, grad_dout, row_c, row_e, *,
              svec: int, heads_q: int, group: int, common: dict):
-    """Launch the rows pass: writes grad_q, grad_dout (B, Hq, N, D, shared strides) and the float32
-    row vectors row_c, row_e (B, Hq, N; rows `svec` apart) from q, out, dout, dq, u_q (B, Hq, N, D),
-    k, v, u_k, u_v (B, Hkv, M, D; absent cotangents: stand-ins with their flag off in `common`), lse
-    and delta, in the launches `ROWS_LAUNCHES` gives. start and common: as `bob_cols` takes them."""
+    """Launch the rows pass: writes grad_q, grad_dout (B, Hq, N, D, contiguous) and the float32 row
+    vectors row_c, row_e (B, Hq, N; rows `svec` apart) from q, out, dout, dq, u_q (B, Hq, N, D), k,
+    v, u_k, u_v (B, Hkv, M, D; absent cotangents: stand-ins with their flag off in `common`), lse and
+    delta, in the launches `ROWS_LAUNCHES` gives. start and common: as `bob_cols` takes them."""
     batch, _, n, d = q.shape
-    launches = ROWS_LAUNCHES[d]
-    wants = ((True, False), (False, True)) if len(launches) == 2 else ((True, True),)
+    main, *late = ROWS_LAUNCHES[d]
     args = {name: value for name, value in common.items() if name != "PRECISION"}
-    compiled = []
-    for tiles, (gq, gdo) in zip(launches, wants):
-        queries = [_descriptor(t, tiles["BLOCK_M"]) for t in (q, dout, u_q)]
-        keys = [_descriptor(t, tiles["BLOCK_N"]) for t in (k, v, u_k, u_v)]
+    masks = {name: args[name] for name in ("OFFSET", "WINDOW", "qk_scale_log2", "scale", "KeyRange", "CAUSAL",
+                                           "HAS_WINDOW", "HAS_RANGE", "HEAD_DIM")}
+    m = k.shape[2]
+    partial = torch.empty(grad_q.shape, dtype=torch.float32, device=grad_q.device) if late else grad_q
+    queries = [_descriptor(t, main["BLOCK_M"]) for t in (q, dout, u_q)]
+    keys = [_descriptor(t, main["BLOCK_N"]) for t in (k, v, u_k, u_v)]
+    compiled = [start(attention_bob_rows_sm90_kernel, (-(-n // main["BLOCK_M"]), batch * heads_q))(
+        queries[0], keys[0], keys[1], queries[1], queries[2], keys[2], keys[3],
+        out, dq, lse, delta, partial, grad_dout, row_c, row_e, *out.stride()[:3], *dq.stride()[:3],
+        *grad_q.stride()[:3], svec, n, m, heads_q, group, **args, LATE_PK=bool(late), **main,
+    )]
+    for tiles in late:
         grid = (-(-n // tiles["BLOCK_M"]), batch * heads_q)
-        compiled.append(start(attention_bob_rows_sm90_kernel, grid)(
-            queries[0], keys[0], keys[1], queries[1], queries[2], keys[2], keys[3],
-            out, dq, lse, delta, grad_q, grad_dout, row_c, row_e, *out.stride()[:3], *dq.stride()[:3],
-            *grad_q.stride()[:3], svec, n, k.shape[2], heads_q, group, **args, WANT_GQ=gq, WANT_GDO=gdo,
-            **tiles,
+        compiled.append(start(attention_bob_rows_pk_sm90_kernel, grid)(
+            _descriptor(q, tiles["BLOCK_M"]), _descriptor(k, tiles["BLOCK_N"]), lse, delta, row_c, row_e,
+            partial, grad_q, *grad_q.stride()[:3], svec, n, m, heads_q, group, **masks, **tiles,
         ))
     return compiled

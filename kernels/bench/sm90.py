@@ -50,7 +50,7 @@ from kernels.bench import DTYPES
 
 STAGE_KERNELS = {"forward": ("forward",), "backward": ("backward_kv", "backward_q"),
                  "bob": ("bob_rows", "bob_cols"), "jvp": ("jvp",)}
-FLAGS = ("CAUSAL", "HAS_RANGE", "WANT_GQ", "WANT_GDO")
+FLAGS = ("CAUSAL", "HAS_RANGE", "WANT_GQ", "WANT_GDO", "LATE_PK")
 KERNEL_OF = {"attention_forward_kernel": "forward", "attention_backward_dkdv_kernel": "backward_kv",
              "attention_backward_dq_kernel": "backward_q", "attention_bob_rows_kernel": "bob_rows",
              "attention_bob_cols_kernel": "bob_cols", "attention_jvp_kernel": "jvp"}

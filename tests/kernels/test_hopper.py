@@ -52,17 +52,17 @@ def test_it_compiles_for_sm90_spilling_no_more_than_the_portable_kernel(tmp_path
     fast = [r for r in compile_rows(tmp_path, *args) if "bob" in r["kernel"]]
     monkeypatch.setenv(hopper.ENV, "0")
     portable = [r for r in compile_rows(tmp_path, *args) if "bob" in r["kernel"]]
-    split = d > 64
-    assert [r["kernel"] for r in fast] == ["attention_bob_rows_sm90_kernel"] * (1 + split) + [
-        "attention_bob_cols_sm90_kernel"]
+    split = d > 64   # two launches at head dim 128: the portable Q̄ and dŌ; the Gluon rows and its P K
+    assert [r["kernel"] for r in fast] == ["attention_bob_rows_sm90_kernel"] + [
+        "attention_bob_rows_pk_sm90_kernel"] * split + ["attention_bob_cols_sm90_kernel"]
     assert [r["kernel"] for r in portable] == ["attention_bob_rows_kernel"] * (1 + split) + [
         "attention_bob_cols_kernel"]
-    for ours, theirs in zip(fast, portable):
+    for ours in fast:
         assert ours["HAS_RANGE"] == key_range and ours["CAUSAL"] == (mask == "causal")
-        wants = ("WANT_GQ", "WANT_GDO")
-        assert [ours.get(k) for k in wants] == [theirs.get(k) for k in wants]
         assert sum(ours["hgmma"].values()) > 0, f"no warpgroup MMA in the SASS of {ours['kernel']}"
-        assert ours["spill_stores"] <= theirs["spill_stores"], (ours, theirs)
+    for kind in ("rows", "cols"):
+        spills = [sum(r["spill_stores"] for r in rows if kind in r["kernel"]) for rows in (fast, portable)]
+        assert spills[0] <= spills[1], (kind, spills)
 
 
 @pytest.mark.parametrize("pass_name", ["rows", "cols"])
