@@ -15,6 +15,9 @@ FLOPs: a "product" is one d-deep matrix product over the visible (query, key) pa
   forward 2 (S = Q K^T, P V); first backward 7 in ours (dK/dV kernel: S, dP, dV, dK; dQ kernel:
   S, dP, dQ) and 5 in flash (S, dP, dV, dK, dQ); BoB 18 in ours (rows kernel: S, dP, G (2), W,
   X K, dS U_K, P K, P U_V, (P*G) V; columns kernel: S, dP, G (2), W, G_S^T Q, dS^T U_Q, G_dP^T dO).
+  That is the one-launch count; where the rows pass needs two launches (head dim above 64) the
+  portable kernels issue 21 and the Hopper path 19, and TFLOP/s still counts 18: useful work, not
+  the tensor cores' throughput.
 For the baselines' BoB we report time and memory only.
 """
 
