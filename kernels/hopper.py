@@ -42,8 +42,9 @@ warpgroup), BLOCK_N keys per step, num_warps, STAGES key tiles in flight. One la
 output; two, where the three (BLOCK_M, D) float32 accumulators of one launch would not fit the
 registers (head dim 128), leave sum[P K] to a second, forward-like kernel, Q̄ passing between them
 in a float32 (B, Hq, N, D) buffer (11 products per tile, against the 13 of a split into Q̄ and dŌ
-launches and the 10 of one launch). The fastest of H200 sweeps (docs/kernel_notes.md, 2026-12-03, rows pass); compiled for
-sm_90: head dim 64 227 registers, no spills; 128 255 registers and 2 spill stores, then 127."""
+launches and the 10 of one launch). The fastest of H200 sweeps (docs/kernel_notes.md, 2026-12-03,
+rows pass); compiled for sm_90: head dim 64 227 registers, no spills; 128 255 registers and 2 spill
+stores, then 127."""
 GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
