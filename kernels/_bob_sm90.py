@@ -232,6 +232,30 @@ def attention_bob_cols_sm90_kernel(
 
 
 @gluon.jit
+def _ring_barriers(STAGES: gl.constexpr):
+    """STAGES mbarriers in shared memory, one per ring slot, each initialised to one arrival."""
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    return bars
+
+
+@gluon.jit
+def _row_block(HEADS_Q, GROUP, KeyRange, M, svec, HAS_RANGE: gl.constexpr, BLOCK_M: gl.constexpr,
+               layout: gl.constexpr):
+    """The query block of a rows-pass program (grid (cdiv(N, BLOCK_M), B * Hq)): batch b, query head
+    h, kv head hk, the batch row's key range [KS, KE), the offset `row` of its row vectors, its first
+    query start_m and its queries offs_m (BLOCK_M,) in `layout`."""
+    pid_bh = gl.program_id(1)
+    b = pid_bh // HEADS_Q
+    h = pid_bh % HEADS_Q
+    KS, KE = load_key_range(KeyRange, b.to(gl.int64), M, HAS_RANGE)
+    start_m = gl.program_id(0) * BLOCK_M
+    offs_m = start_m + gl.arange(0, BLOCK_M, layout=layout)
+    return b, h, h // GROUP, KS, KE, pid_bh.to(gl.int64) * svec, start_m, offs_m
+
+
+@gluon.jit
 def _issue_key_tiles(t, lo, b, hk, k_desc, v_desc, uk_desc, uv_desc, bars, k_ring, v_ring, uk_ring, uv_ring,
                      HAS_G: gl.constexpr, HAS_UK: gl.constexpr, HAS_UV: gl.constexpr, BLOCK_N: gl.constexpr,
                      STAGES: gl.constexpr):
@@ -287,15 +311,8 @@ def attention_bob_rows_sm90_kernel(
     keys_of: gl.constexpr = gl.SliceLayout(0, score_layout)
     acc_rows: gl.constexpr = gl.SliceLayout(1, acc_layout)
 
-    pid_m = gl.program_id(0)
-    pid_bh = gl.program_id(1)
-    b = pid_bh // HEADS_Q
-    h = pid_bh % HEADS_Q
-    hk = h // GROUP
-    KS, KE = load_key_range(KeyRange, b.to(gl.int64), M, HAS_RANGE)
-    row = pid_bh.to(gl.int64) * svec
-    start_m = pid_m * BLOCK_M
-    offs_m = start_m + gl.arange(0, BLOCK_M, layout=rows_of)
+    b, h, hk, KS, KE, row, start_m, offs_m = _row_block(HEADS_Q, GROUP, KeyRange, M, svec, HAS_RANGE, BLOCK_M,
+                                                        rows_of)
 
     query_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     mbarrier.init(query_bar.index(0), count=1)
@@ -313,9 +330,7 @@ def attention_bob_rows_sm90_kernel(
     if HAS_UQ:
         tma.async_copy_global_to_shared(uq_desc, [b, h, start_m, 0], query_bar.index(0), uq_smem)
 
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(bars.index(i), count=1)
+    bars = _ring_barriers(STAGES)
     k_ring = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_ring = k_ring
     uk_ring = k_ring
@@ -441,24 +456,15 @@ def attention_bob_rows_pk_sm90_kernel(
     rows_of: gl.constexpr = gl.SliceLayout(1, score_layout)
     acc_rows: gl.constexpr = gl.SliceLayout(1, acc_layout)
 
-    pid_m = gl.program_id(0)
-    pid_bh = gl.program_id(1)
-    b = pid_bh // HEADS_Q
-    h = pid_bh % HEADS_Q
-    hk = h // GROUP
-    KS, KE = load_key_range(KeyRange, b.to(gl.int64), M, HAS_RANGE)
-    row = pid_bh.to(gl.int64) * svec
-    start_m = pid_m * BLOCK_M
-    offs_m = start_m + gl.arange(0, BLOCK_M, layout=rows_of)
+    b, h, hk, KS, KE, row, start_m, offs_m = _row_block(HEADS_Q, GROUP, KeyRange, M, svec, HAS_RANGE, BLOCK_M,
+                                                        rows_of)
 
     query_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     mbarrier.init(query_bar.index(0), count=1)
     q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
     mbarrier.expect(query_bar.index(0), q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [b, h, start_m, 0], query_bar.index(0), q_smem)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(bars.index(i), count=1)
+    bars = _ring_barriers(STAGES)
     k_ring = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
 
     lo, hi = key_range(start_m, M, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW, HAS_RANGE, BLOCK_M, BLOCK_N)
