@@ -77,10 +77,13 @@ def on_hopper(q: torch.Tensor) -> bool:
 def applies(pass_name: str, q: torch.Tensor, *tensors: torch.Tensor, causal: bool) -> bool:
     """Whether the BoB pass `pass_name` ("rows" or "cols") of inputs like q (B, Hq, N, D) and
     `tensors` (every tensor the pass reads through TMA, (B, H, L, D)) runs on the Hopper path."""
+    if pass_name not in FASTER:
+        raise ValueError(f"pass_name={pass_name!r}: expected 'rows' or 'cols'")
     chosen = mode()
     if chosen == "0" or (chosen == "auto" and (q.shape[-1], causal) not in FASTER[pass_name]):
         return False
-    return (q.dtype in GL_DTYPES and q.shape[-1] in COLS_TILES and on_hopper(q)
+    tiles = ROWS_LAUNCHES if pass_name == "rows" else COLS_TILES
+    return (q.dtype in GL_DTYPES and q.shape[-1] in tiles and on_hopper(q)
             and all(_tma_addressable(t) for t in (q, *tensors)))
 
 

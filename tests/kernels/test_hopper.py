@@ -93,6 +93,9 @@ def test_by_default_it_applies_where_it_measured_faster(monkeypatch, pass_name):
     monkeypatch.setenv(hopper.ENV, "yes")
     with pytest.raises(ValueError, match="FLASHBOB_SM90='yes': expected auto, 0 or 1"):
         hopper.applies(pass_name, q, q, causal=True)
+    monkeypatch.setenv(hopper.ENV, "1")
+    with pytest.raises(ValueError, match="pass_name='columns': expected 'rows' or 'cols'"):
+        hopper.applies("columns", q, q, causal=True)
 
 
 SUBSETS = [s for r in (1, 2) for s in itertools.combinations(("u_q", "u_k", "u_v"), r)]
