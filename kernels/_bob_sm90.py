@@ -4,8 +4,9 @@ as warpgroup MMAs.
 
 Columns pass: one program owns BLOCK_N keys of one (batch, kv head) and writes K̄ and V̄, c and e known.
 Its key-side tiles (K, and V, U_K, U_V where their flags are on) are loaded once; the query-side tiles
-(Q, dO, U_Q) of its GROUP query heads stream through a ring of STAGES shared-memory buffers, each filled
-by TMA and completed on its own mbarrier, the next tiles in flight while the current ones are used.
+(Q, dO, U_Q) of its GROUP query heads and their float32 row vectors (lse, delta, c, e) stream through a
+ring of STAGES shared-memory buffers, each filled by TMA and completed on its own mbarrier, the next
+tiles in flight while the current ones are used.
 Per query tile the score-side products (S^T = K Q^T, U_V dO^T, V dO^T, K U_Q^T + U_K Q^T) are issued
 together and waited on once; the accumulating products (into K̄ and V̄) take their left operand from
 registers.
@@ -39,15 +40,19 @@ from ._tiles import (
 
 
 @gluon.jit
-def _issue_query_tiles(t, n_tiles, lo, b, hk, GROUP, q_desc, do_desc, uq_desc, bars, q_ring, do_ring, uq_ring,
-                       LOAD_DO: gl.constexpr, HAS_UQ: gl.constexpr, BLOCK_M: gl.constexpr,
-                       STAGES: gl.constexpr):
+def _issue_query_tiles(t, n_tiles, lo, b, hk, GROUP, q_desc, do_desc, uq_desc, lse_desc, e_desc,
+                       delta_desc, c_desc, bars, q_ring, do_ring, uq_ring, lse_ring, e_ring, delta_ring,
+                       c_ring, LOAD_DO: gl.constexpr, HAS_UQ: gl.constexpr, HAS_G: gl.constexpr,
+                       BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
     """Start the TMA loads of query tile t (head t // n_tiles of the group, rows lo + (t % n_tiles) *
-    BLOCK_M) into ring slot t % STAGES, completing on that slot's barrier."""
+    BLOCK_M) and of its row vectors (lse and e, with HAS_G delta and c) into ring slot t % STAGES,
+    completing on that slot's barrier (the vectors' descriptors: (1, 1, R >= BLOCK_M) boxes of (B, Hq, N)
+    float32 tensors)."""
     slot = t % STAGES
     h = hk * GROUP + t // n_tiles
     start_m = lo + (t % n_tiles) * BLOCK_M
-    nbytes: gl.constexpr = q_desc.block_type.nbytes * (1 + LOAD_DO + HAS_UQ)
+    nbytes: gl.constexpr = (q_desc.block_type.nbytes * (1 + LOAD_DO + HAS_UQ)
+                            + lse_desc.block_type.nbytes * (2 + 2 * HAS_G))
     bar = bars.index(slot)
     mbarrier.expect(bar, nbytes)
     tma.async_copy_global_to_shared(q_desc, [b, h, start_m, 0], bar, q_ring.index(slot))
@@ -55,22 +60,32 @@ def _issue_query_tiles(t, n_tiles, lo, b, hk, GROUP, q_desc, do_desc, uq_desc, b
         tma.async_copy_global_to_shared(do_desc, [b, h, start_m, 0], bar, do_ring.index(slot))
     if HAS_UQ:
         tma.async_copy_global_to_shared(uq_desc, [b, h, start_m, 0], bar, uq_ring.index(slot))
+    tma.async_copy_global_to_shared(lse_desc, [b, h, start_m], bar, lse_ring.index(slot))
+    tma.async_copy_global_to_shared(e_desc, [b, h, start_m], bar, e_ring.index(slot))
+    if HAS_G:
+        tma.async_copy_global_to_shared(delta_desc, [b, h, start_m], bar, delta_ring.index(slot))
+        tma.async_copy_global_to_shared(c_desc, [b, h, start_m], bar, c_ring.index(slot))
 
 
 @gluon.jit
-def _query_vectors(t, n_tiles, lo, b, hk, GROUP, HEADS_Q, svec, Lse, E, Delta, C, HAS_G: gl.constexpr,
-                   BLOCK_M: gl.constexpr, layout: gl.constexpr):
-    """The float32 row vectors of query tile t: lse in base 2 (+inf past the rows), e, and with HAS_G
-    delta and c (zeros otherwise), each (BLOCK_M,) in `layout`."""
-    h = hk * GROUP + t // n_tiles
-    row = (b * HEADS_Q + h).to(gl.int64) * svec
-    offs_m = lo + (t % n_tiles) * BLOCK_M + gl.arange(0, BLOCK_M, layout=layout)
-    inside = offs_m < svec
-    lse2 = lse_log2(Lse + row, offs_m, svec)
-    e = gl.load(E + row + offs_m, mask=inside, other=0.0)
+def _vector(slot, ring, BLOCK_M: gl.constexpr, layout: gl.constexpr):
+    """The first BLOCK_M values of ring slot `slot` of a row vector's (STAGES, 1, 1, rows) ring, in `layout`
+    (a box may be wider than the query tile: TMA writes shared memory only at 128-byte-aligned addresses)."""
+    rows: gl.constexpr = ring.shape[3]
+    return ring.index(slot).reshape([rows]).slice(0, BLOCK_M).load(layout)
+
+
+@gluon.jit
+def _query_vectors(slot, lse_ring, e_ring, delta_ring, c_ring, HAS_G: gl.constexpr, BLOCK_M: gl.constexpr,
+                   layout: gl.constexpr):
+    """The float32 row vectors of the query tile in ring slot `slot`: lse in base 2 (+inf on rows that see
+    no key), e, and with HAS_G delta and c (zeros otherwise), each (BLOCK_M,) in `layout`."""
+    lse = _vector(slot, lse_ring, BLOCK_M, layout)
+    lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    e = _vector(slot, e_ring, BLOCK_M, layout)
     if HAS_G:
-        delta = gl.load(Delta + row + offs_m, mask=inside, other=0.0)
-        c = gl.load(C + row + offs_m, mask=inside, other=0.0)
+        delta = _vector(slot, delta_ring, BLOCK_M, layout)
+        c = _vector(slot, c_ring, BLOCK_M, layout)
     else:
         delta = gl.zeros_like(e)
         c = gl.zeros_like(e)
@@ -79,18 +94,18 @@ def _query_vectors(t, n_tiles, lo, b, hk, GROUP, HEADS_Q, svec, Lse, E, Delta, C
 
 @gluon.jit(do_not_specialize=NO_SPECIALIZE, do_not_specialize_on_alignment=["GROUP"])
 def attention_bob_cols_sm90_kernel(
-    q_desc, k_desc, v_desc, do_desc, uq_desc, uk_desc, uv_desc,
-    Lse, Delta, C, E, GK, GV, sgb, sgh, sgn, svec,
-    N, M, HEADS_Q, HEADS_KV, GROUP, OFFSET, WINDOW, qk_scale_log2, scale, KeyRange,
+    q_desc, k_desc, v_desc, do_desc, uq_desc, uk_desc, uv_desc, lse_desc, delta_desc, c_desc, e_desc,
+    GK, GV, sgb, sgh, sgn,
+    N, M, HEADS_KV, GROUP, OFFSET, WINDOW, qk_scale_log2, scale, KeyRange,
     CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_RANGE: gl.constexpr, HAS_UQ: gl.constexpr,
     HAS_UK: gl.constexpr, HAS_UV: gl.constexpr, HAS_G: gl.constexpr, HEAD_DIM: gl.constexpr,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PREFETCH: gl.constexpr,
-    num_warps: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
 ):
     """One program: BLOCK_N keys of one (batch, kv head), summing over its GROUP query heads; writes K̄
     and V̄ (GK, GV: (B, Hkv, M, D), shared strides). Grid (cdiv(M, BLOCK_N), B * Hkv). Descriptors: TMA
-    boxes (1, 1, BLOCK_M, D) of q, dout, u_q and (1, 1, BLOCK_N, D) of k, v, u_k, u_v (an absent
-    cotangent's flag is off and its descriptor, a stand-in, is never read)."""
+    boxes (1, 1, BLOCK_M, D) of q, dout, u_q, (1, 1, BLOCK_N, D) of k, v, u_k, u_v (an absent
+    cotangent's flag is off and its descriptor, a stand-in, is never read) and (1, 1, R) of the float32
+    row vectors lse, delta, c, e (B, Hq, N), R >= BLOCK_M rows of which the first BLOCK_M are read."""
     LOAD_DO: gl.constexpr = HAS_UV or HAS_G
     dtype: gl.constexpr = q_desc.dtype
     score_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -138,14 +153,23 @@ def attention_bob_cols_sm90_kernel(
         do_ring = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
     if HAS_UQ:
         uq_ring = gl.allocate_shared_memory(dtype, [STAGES] + uq_desc.block_type.shape, uq_desc.layout)
+    lse_ring = gl.allocate_shared_memory(gl.float32, [STAGES] + lse_desc.block_type.shape, lse_desc.layout)
+    e_ring = gl.allocate_shared_memory(gl.float32, [STAGES] + e_desc.block_type.shape, e_desc.layout)
+    delta_ring = lse_ring
+    c_ring = lse_ring
+    if HAS_G:
+        delta_ring = gl.allocate_shared_memory(gl.float32, [STAGES] + delta_desc.block_type.shape,
+                                               delta_desc.layout)
+        c_ring = gl.allocate_shared_memory(gl.float32, [STAGES] + c_desc.block_type.shape, c_desc.layout)
 
     lo, hi = query_range(start_n, N, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW, HAS_RANGE, BLOCK_M, BLOCK_N)
     n_tiles = (gl.maximum(hi - lo, 0) + BLOCK_M - 1) // BLOCK_M
     total = GROUP * n_tiles
     for t in gl.static_range(STAGES - 1):
         if t < total:
-            _issue_query_tiles(t, n_tiles, lo, b, hk, GROUP, q_desc, do_desc, uq_desc, bars, q_ring, do_ring,
-                               uq_ring, LOAD_DO, HAS_UQ, BLOCK_M, STAGES)
+            _issue_query_tiles(t, n_tiles, lo, b, hk, GROUP, q_desc, do_desc, uq_desc, lse_desc, e_desc,
+                               delta_desc, c_desc, bars, q_ring, do_ring, uq_ring, lse_ring, e_ring,
+                               delta_ring, c_ring, LOAD_DO, HAS_UQ, HAS_G, BLOCK_M, STAGES)
 
     mbarrier.wait(key_bar.index(0), phase=0)
     k_t = k_smem.reshape([BLOCK_N, HEAD_DIM])
@@ -159,24 +183,18 @@ def attention_bob_cols_sm90_kernel(
     acc_k = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
     acc_v = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
     zero_scores = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, score_layout)
-    lse2, e, delta, c = _query_vectors(0, n_tiles, lo, b, hk, GROUP, HEADS_Q, svec, Lse, E, Delta, C,
-                                       HAS_G, BLOCK_M, queries_of)
     for t in range(total):
         ahead = t + STAGES - 1
         if ahead < total:
-            _issue_query_tiles(ahead, n_tiles, lo, b, hk, GROUP, q_desc, do_desc, uq_desc, bars, q_ring,
-                               do_ring, uq_ring, LOAD_DO, HAS_UQ, BLOCK_M, STAGES)
-        if PREFETCH:  # the next tile's row vectors, loaded now and used one step later
-            next_lse2, next_e, next_delta, next_c = _query_vectors(
-                gl.minimum(t + 1, total - 1), n_tiles, lo, b, hk, GROUP, HEADS_Q, svec, Lse, E, Delta, C,
-                HAS_G, BLOCK_M, queries_of)
-        else:
-            lse2, e, delta, c = _query_vectors(t, n_tiles, lo, b, hk, GROUP, HEADS_Q, svec, Lse, E, Delta, C,
-                                               HAS_G, BLOCK_M, queries_of)
+            _issue_query_tiles(ahead, n_tiles, lo, b, hk, GROUP, q_desc, do_desc, uq_desc, lse_desc,
+                               e_desc, delta_desc, c_desc, bars, q_ring, do_ring, uq_ring, lse_ring, e_ring,
+                               delta_ring, c_ring, LOAD_DO, HAS_UQ, HAS_G, BLOCK_M, STAGES)
         slot = t % STAGES
         start_m = lo + (t % n_tiles) * BLOCK_M
         offs_m = start_m + gl.arange(0, BLOCK_M, layout=queries_of)
         mbarrier.wait(bars.index(slot), phase=(t // STAGES) & 1)
+        lse2, e, delta, c = _query_vectors(slot, lse_ring, e_ring, delta_ring, c_ring, HAS_G, BLOCK_M,
+                                           queries_of)
         q_t = q_ring.index(slot).reshape([BLOCK_M, HEAD_DIM])
         if LOAD_DO:
             do_t = do_ring.index(slot).reshape([BLOCK_M, HEAD_DIM])
@@ -217,8 +235,6 @@ def attention_bob_cols_sm90_kernel(
                 acc_k = warpgroup_mma(gl.convert_layout(p_dpt.to(dtype), left_layout), uq_t, acc_k)
             r += gc * p_dpt
         acc_k = warpgroup_mma(gl.convert_layout(r.to(dtype), left_layout), q_t, acc_k)
-        if PREFETCH:
-            lse2, e, delta, c = next_lse2, next_e, next_delta, next_c
 
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))

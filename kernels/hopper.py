@@ -25,13 +25,13 @@ from .validation import triton_interpreter_enabled
 
 ENV = "FLASHBOB_SM90"
 COLS_TILES = {
-    64: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=2, PREFETCH=False),
-    128: dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, STAGES=2, PREFETCH=False),
+    64: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=2),
+    128: dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, STAGES=2),
 }
 """Head dim -> the columns kernel's tiles: BLOCK_M queries per step, BLOCK_N keys per program (64 per
-warpgroup), num_warps, STAGES query tiles in flight, PREFETCH (each tile's row vectors loaded one step
-early: slower, kept off). The fastest of an H200 sweep (docs/kernel_notes.md, 2026-12-03); at head dim
-64 the kernel spills 10 registers (the portable kernel 19), at 128 none."""
+warpgroup), num_warps, STAGES query tiles (with their row vectors) in flight. The fastest of H200
+sweeps (docs/kernel_notes.md, 2026-12-03); compiled for sm_90 at head dim 64, 255 registers and 10 (causal)
+to 12 (full) spill stores (the portable kernel 20), at 128 none."""
 ROWS_LAUNCHES = {
     64: (dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, STAGES=2),),
     128: (dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, STAGES=2),
@@ -45,10 +45,14 @@ in a float32 (B, Hq, N, D) buffer (11 products per tile, against the 13 of a spl
 launches and the 10 of one launch). The fastest of H200 sweeps (docs/kernel_notes.md, 2026-12-03,
 rows pass); compiled for sm_90: head dim 64 227 registers, no spills; 128 255 registers and 2 spill
 stores, then 127."""
+VECTOR_ROWS = 32
+"""The fewest rows of a float32 row vector that one TMA box moves: 128 bytes, as a box's shared-memory
+destination must start 128-byte aligned (the ring slots of the columns pass lie back to back)."""
 GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+TMA_DTYPES = {**GL_DTYPES, torch.float32: gl.float32}
 
 
-FASTER = {"cols": {(64, True)}, "rows": {(64, True), (64, False), (128, True), (128, False)}}
+FASTER = {"cols": {(64, True), (64, False)}, "rows": {(64, True), (64, False), (128, True), (128, False)}}
 """Pass -> the (head dim, causal) where its Hopper kernel measured faster than the portable one on an
 H200 (BoB call at 16K, bf16, same run; docs/kernel_notes.md): the default takes it there only."""
 
@@ -88,31 +92,37 @@ def applies(pass_name: str, q: torch.Tensor, *tensors: torch.Tensor, causal: boo
 
 
 def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
-    """A TMA descriptor of t (B, H, L, D) with boxes (1, 1, rows, D); rows past L read as zeros. The
-    stride of a dimension of size 1 is never followed, so an aligned one stands in for it."""
-    block = [1, 1, rows, t.shape[-1]]
-    strides = [stride if size > 1 else t.shape[-1] for size, stride in zip(t.shape, t.stride())]
-    layout = gl.NVMMASharedLayout.get_default_for(block, GL_DTYPES[t.dtype])
+    """A TMA descriptor of t (B, H, L, D) with boxes (1, 1, rows, D), or of a row vector t (B, H, L)
+    with boxes (1, 1, rows); rows past L read as zeros. The stride of a dimension of size 1 is never
+    followed, so an aligned one stands in for it."""
+    block = [1, 1, rows, *t.shape[3:]]
+    aligned = 16 // t.element_size()
+    strides = [1]
+    for size, stride, inner in zip(t.shape[-2::-1], t.stride()[-2::-1], t.shape[:0:-1]):
+        strides.insert(0, stride if size > 1 else -(-strides[0] * inner // aligned) * aligned)
+    layout = gl.NVMMASharedLayout.get_default_for(block, TMA_DTYPES[t.dtype])
     return TensorDescriptor(t, list(t.shape), strides, block, layout)
 
 
 def bob_cols(start, q, k, v, dout, u_q, u_k, u_v, lse, delta, row_c, row_e, grad_k, grad_v, *,
-             svec: int, heads_q: int, group: int, common: dict):
+             group: int, common: dict):
     """Launch the columns pass: writes grad_k and grad_v (B, Hkv, M, D) from q, dout, u_q (B, Hq, N, D),
     k, v, u_k, u_v (B, Hkv, M, D; absent cotangents: stand-ins with their flag off in `common`) and
-    the float32 row vectors (B, Hq, N) lse, delta, c, e, rows `svec` apart. start(kernel, grid): the
-    launch (or, under `triton_ops.compiling_only`, the compile); common: the mask arguments, flags,
-    scales and HEAD_DIM the portable launch takes (its PRECISION is dropped: 16-bit products)."""
+    the float32 row vectors (B, Hq, N) lse, delta, c, e, moved by TMA with the query tiles.
+    start(kernel, grid): the launch (or, under `triton_ops.compiling_only`, the compile); common: the
+    mask arguments, flags, scales and HEAD_DIM the portable launch takes (its PRECISION is dropped:
+    16-bit products)."""
     batch, heads_kv, m, d = k.shape
     tiles = COLS_TILES[d]
     queries = [_descriptor(t, tiles["BLOCK_M"]) for t in (q, dout, u_q)]
+    queries += [_descriptor(t, max(tiles["BLOCK_M"], VECTOR_ROWS)) for t in (lse, delta, row_c, row_e)]
     keys = [_descriptor(t, tiles["BLOCK_N"]) for t in (k, v, u_k, u_v)]
     args = {name: value for name, value in common.items() if name != "PRECISION"}
     grid = (-(-m // tiles["BLOCK_N"]), batch * heads_kv)
     return start(attention_bob_cols_sm90_kernel, grid)(
-        queries[0], keys[0], keys[1], queries[1], queries[2], keys[2], keys[3],
-        lse, delta, row_c, row_e, grad_k, grad_v, *grad_k.stride()[:3], svec,
-        q.shape[2], m, heads_q, heads_kv, group, **args, **tiles,
+        queries[0], keys[0], keys[1], queries[1], queries[2], keys[2], keys[3], *queries[3:],
+        grad_k, grad_v, *grad_k.stride()[:3],
+        q.shape[2], m, heads_kv, group, **args, **tiles,
     )
 
 

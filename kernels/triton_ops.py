@@ -250,9 +250,9 @@ def bob(q, k, v, out, lse, dout, dq, u_q, u_k, u_v, *, causal: bool, window: int
                         row_c, row_e, svec=row_stride(n), heads_q=heads_q, group=group, common=common)
     else:
         _launch("bob_rows", q, run_rows, PRECISION=precision, **flags)
-    if hopper.applies("cols", q, k, v, dout, u_q_, u_k_, u_v_, causal=causal):
+    if hopper.applies("cols", q, k, v, dout, u_q_, u_k_, u_v_, lse, delta, row_c, row_e, causal=causal):
         hopper.bob_cols(_start, q, k, v, dout, u_q_, u_k_, u_v_, lse, delta, row_c, row_e, grad_k, grad_v,
-                        svec=row_stride(n), heads_q=heads_q, group=group, common=common)
+                        group=group, common=common)
     else:
         _launch("bob_cols", q, run_cols, PRECISION=precision, **flags)
     return grad_q, grad_k, grad_v, grad_dout
