@@ -28,6 +28,7 @@ import triton.language as tl
 from ._tiles import (
     NO_SPECIALIZE,
     col_tile_needs_mask,
+    heaviest_first_row_block,
     key_range,
     load_key_range,
     load_tile,
@@ -53,7 +54,7 @@ def attention_bob_rows_kernel(
 ):
     """One program: BLOCK_M query rows of one (batch, query head); writes Q̄, c, e (WANT_GQ) and
     dŌ (WANT_GDO). Grid (cdiv(N, BLOCK_M), B * Hq). GQ and GDO share strides (fresh buffers)."""
-    pid_m = tl.program_id(0)
+    pid_m = heaviest_first_row_block()
     pid_bh = tl.program_id(1)
     b = (pid_bh // HEADS_Q).to(tl.int64)
     h = (pid_bh % HEADS_Q).to(tl.int64)

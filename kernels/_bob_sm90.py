@@ -261,12 +261,13 @@ def _row_block(HEADS_Q, GROUP, KeyRange, M, svec, HAS_RANGE: gl.constexpr, BLOCK
                layout: gl.constexpr):
     """The query block of a rows-pass program (grid (cdiv(N, BLOCK_M), B * Hq)): batch b, query head
     h, kv head hk, the batch row's key range [KS, KE), the offset `row` of its row vectors, its first
-    query start_m and its queries offs_m (BLOCK_M,) in `layout`."""
+    query start_m (the last block first, as `_tiles.heaviest_first_row_block` orders them) and its
+    queries offs_m (BLOCK_M,) in `layout`."""
     pid_bh = gl.program_id(1)
     b = pid_bh // HEADS_Q
     h = pid_bh % HEADS_Q
     KS, KE = load_key_range(KeyRange, b.to(gl.int64), M, HAS_RANGE)
-    start_m = gl.program_id(0) * BLOCK_M
+    start_m = (gl.num_programs(0) - 1 - gl.program_id(0)) * BLOCK_M
     offs_m = start_m + gl.arange(0, BLOCK_M, layout=layout)
     return b, h, h // GROUP, KS, KE, pid_bh.to(gl.int64) * svec, start_m, offs_m
 

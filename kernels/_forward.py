@@ -5,6 +5,7 @@ import triton.language as tl
 
 from ._tiles import (
     NO_SPECIALIZE,
+    heaviest_first_row_block,
     key_range,
     load_key_range,
     load_tile,
@@ -24,7 +25,7 @@ def attention_forward_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """One program: BLOCK_M query rows of one (batch, query head). Grid (cdiv(N, BLOCK_M), B * Hq)."""
-    pid_m = tl.program_id(0)
+    pid_m = heaviest_first_row_block()
     pid_bh = tl.program_id(1)
     b = (pid_bh // HEADS_Q).to(tl.int64)
     h = (pid_bh % HEADS_Q).to(tl.int64)

@@ -21,6 +21,14 @@ kernel does not take are ignored."""
 
 
 @triton.jit
+def heaviest_first_row_block():
+    """The query block of a program that owns rows, grid (cdiv(N, BLOCK_M), ...): the last block first.
+    Under a causal mask a block's keys grow with its index, so the longest programs start first and
+    the last wave holds the shortest (a program's work and result do not depend on its order)."""
+    return tl.num_programs(0) - 1 - tl.program_id(0)
+
+
+@triton.jit
 def tile_ptrs(base, offs_rows, offs_d, stride_row):
     """Pointers to a (rows, BLOCK_D) tile of a row-major (seq, head_dim) slice."""
     return base + offs_rows[:, None] * stride_row + offs_d[None, :]
