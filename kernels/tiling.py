@@ -143,9 +143,10 @@ def _cuda_default(kernel: str, bd: int, itemsize: int, precision: str = "ieee") 
     if bd <= 64:
         return (64, 64, 4, 2)
     # bob_cols at head dim 128, 16-bit inputs: 128 keys per program over two warpgroups (their warps
-    # split keys, which need no cross-warp row sums), faster on an H200 than 64 keys over one.
+    # split keys, which need no cross-warp row sums), faster on an H200 than 64 keys over one, with
+    # three query tiles in flight (201 KiB; docs/kernel_notes.md, "the columns pass regrouped").
     # Float32 operands would not fit it: they keep the one-warpgroup tile.
-    return (32, 128, 8, 2) if itemsize == 2 else (32, 64, 4, 2)
+    return (32, 128, 8, 3) if itemsize == 2 else (32, 64, 4, 2)
 
 
 REGISTER_CAP_FP32 = 255
