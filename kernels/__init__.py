@@ -22,8 +22,10 @@ Supported
       inputs require grad compiles the kernels of forward, backward and BoB side by side on threads
       (kernels.precompile; FLASHBOB_PRECOMPILE=0 compiles each at its first launch instead). On
       Hopper the BoB of 16-bit inputs at head dims 64 and 128 runs Gluon kernels with TMA and
-      warpgroup MMAs: its rows pass always, its columns pass at head dim 64 causal, where it is
-      faster (kernels.hopper; FLASHBOB_SM90=1 runs both passes wherever they can, =0 never);
+      warpgroup MMAs: its rows pass always, warp-specialized (two consumer warpgroups share the
+      key tiles a producer warp loads), its columns pass at head dim 64 (warp-specialized under a
+      full mask), where each is faster (kernels.hopper; FLASHBOB_SM90=1 runs both passes wherever
+      they can, =0 never);
     * derivatives: first and second order. The second (backward-over-backward) runs the FlashBoB
       kernels: exact, O(N) extra memory, no N x N tensor. A third derivative raises an error on the
       Triton path (use backend="torch");

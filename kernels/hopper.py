@@ -6,6 +6,8 @@ strides TMA can address (unit stride in the head dim, the others and the base ad
 aligned). By default each runs only where it measured faster (`FASTER`); the environment variable
 FLASHBOB_SM90=1 runs both wherever they can, =0 never. Everything else (other GPUs, float32, other
 head dims, the CPU interpreter) takes the portable kernels, with the same results up to rounding.
+The rows pass, and the columns pass at head dim 64 under a full mask, run warp-specialized kernels
+(`WARP_SPECIALIZED`): two consumer warpgroups share the tiles a producer warp streams.
 """
 
 from __future__ import annotations
@@ -18,33 +20,45 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ._bob_sm90 import (
     attention_bob_cols_sm90_kernel,
+    attention_bob_cols_ws_sm90_kernel,
     attention_bob_rows_pk_sm90_kernel,
-    attention_bob_rows_sm90_kernel,
+    attention_bob_rows_ws_sm90_kernel,
 )
 from .validation import triton_interpreter_enabled
 
 ENV = "FLASHBOB_SM90"
+WARP_SPECIALIZED = dict(num_warps=4, CONSUMERS=2, CONSUMER_REGS=240, maxnreg=168)
+"""The launch settings of a warp-specialized kernel: CONSUMERS warpgroups (num_warps = 4 each: the
+default partition and a worker given CONSUMER_REGS registers) and a producer warp (24 registers, in a
+warpgroup of its own), 12 warps in all; maxnreg 168 is the most one program of 12 warps is given
+(65,536 registers / 384 threads, a multiple of 8), which setmaxnreg moves from the producer's
+warpgroup to the consumers'."""
 COLS_TILES = {
-    64: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=2),
-    128: dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, STAGES=2),
+    (64, True): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=2),
+    (64, False): dict(BLOCK_M=64, BLOCK_N=64, STAGES=2, **WARP_SPECIALIZED),
+    (128, True): dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, STAGES=2),
+    (128, False): dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, STAGES=2),
 }
-"""Head dim -> the columns kernel's tiles: BLOCK_M queries per step, BLOCK_N keys per program (64 per
-warpgroup), num_warps, STAGES query tiles (with their row vectors) in flight. The fastest of H200
-sweeps (docs/kernel_notes.md, 2026-12-03); compiled for sm_90 at head dim 64, 255 registers and 10 (causal)
-to 12 (full) spill stores (the portable kernel 20), at 128 none."""
+"""(head dim, causal) -> the columns pass's tiles: BLOCK_M queries per step, BLOCK_N keys per
+warpgroup, STAGES query tiles (with their row vectors) in flight; with the `WARP_SPECIALIZED`
+settings the warp-specialized kernel (CONSUMERS * BLOCK_N keys a program), else one warpgroup a
+program. The fastest of H200 sweeps (docs/kernel_notes.md, 2026-12-04): the warp-specialized kernel
+is faster at head dim 64 under a full mask only, and neither Gluon form beats the portable pass at
+head dim 128 (`FASTER`). Compiled for sm_90: head dim 64 causal 255 registers and 9 spill stores,
+full (warp-specialized, 240 registers a consumer) 24; 128 none."""
 ROWS_LAUNCHES = {
-    64: (dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, STAGES=2),),
-    128: (dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, STAGES=2),
+    64: (dict(BLOCK_M=64, BLOCK_N=32, STAGES=3, **WARP_SPECIALIZED),),
+    128: (dict(BLOCK_M=64, BLOCK_N=32, STAGES=2, **WARP_SPECIALIZED),
           dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, STAGES=2)),
 }
-"""Head dim -> the rows pass's launches, each with its tiles: BLOCK_M queries per program (64 per
-warpgroup), BLOCK_N keys per step, num_warps, STAGES key tiles in flight. One launch writes every
-output; two, where the three (BLOCK_M, D) float32 accumulators of one launch would not fit the
-registers (head dim 128), leave sum[P K] to a second, forward-like kernel, Q̄ passing between them
-in a float32 (B, Hq, N, D) buffer (11 products per tile, against the 13 of a split into Q̄ and dŌ
-launches and the 10 of one launch). The fastest of H200 sweeps (docs/kernel_notes.md, 2026-12-03,
-rows pass); compiled for sm_90: head dim 64 227 registers, no spills; 128 255 registers and 2 spill
-stores, then 127."""
+"""Head dim -> the rows pass's launches, each with its tiles: BLOCK_M queries per warpgroup, BLOCK_N
+keys per step, STAGES key tiles in flight. The first launch is the warp-specialized rows kernel (two
+consumer warpgroups of BLOCK_M queries share each key tile). It writes every output where its
+three (BLOCK_M, D) float32 accumulators fit the registers (head dim 64); at head dim 128 it leaves
+sum[P K] to a second, forward-like kernel, Q̄ passing between them in a float32 (B, Hq, N, D) buffer
+(11 products per tile, against 10 in one launch). The fastest of H200 sweeps (docs/kernel_notes.md,
+2026-12-04). Compiled for sm_90 (240 registers a consumer): head dim 64 no spills; 128 18 (causal)
+or 19 (full) spill stores, then 127 registers."""
 VECTOR_ROWS = 32
 """The fewest rows of a float32 row vector that one TMA box moves: 128 bytes, as a box's shared-memory
 destination must start 128-byte aligned (the ring slots of the columns pass lie back to back)."""
@@ -86,8 +100,8 @@ def applies(pass_name: str, q: torch.Tensor, *tensors: torch.Tensor, causal: boo
     chosen = mode()
     if chosen == "0" or (chosen == "auto" and (q.shape[-1], causal) not in FASTER[pass_name]):
         return False
-    tiles = ROWS_LAUNCHES if pass_name == "rows" else COLS_TILES
-    return (q.dtype in GL_DTYPES and q.shape[-1] in tiles and on_hopper(q)
+    known = q.shape[-1] in ROWS_LAUNCHES if pass_name == "rows" else (q.shape[-1], causal) in COLS_TILES
+    return (q.dtype in GL_DTYPES and known and on_hopper(q)
             and all(_tma_addressable(t) for t in (q, *tensors)))
 
 
@@ -113,13 +127,14 @@ def bob_cols(start, q, k, v, dout, u_q, u_k, u_v, lse, delta, row_c, row_e, grad
     mask arguments, flags, scales and HEAD_DIM the portable launch takes (its PRECISION is dropped:
     16-bit products)."""
     batch, heads_kv, m, d = k.shape
-    tiles = COLS_TILES[d]
+    tiles = COLS_TILES[d, common["CAUSAL"]]
     queries = [_descriptor(t, tiles["BLOCK_M"]) for t in (q, dout, u_q)]
     queries += [_descriptor(t, max(tiles["BLOCK_M"], VECTOR_ROWS)) for t in (lse, delta, row_c, row_e)]
     keys = [_descriptor(t, tiles["BLOCK_N"]) for t in (k, v, u_k, u_v)]
     args = {name: value for name, value in common.items() if name != "PRECISION"}
-    grid = (-(-m // tiles["BLOCK_N"]), batch * heads_kv)
-    return start(attention_bob_cols_sm90_kernel, grid)(
+    kernel = attention_bob_cols_ws_sm90_kernel if "CONSUMERS" in tiles else attention_bob_cols_sm90_kernel
+    grid = (-(-m // (tiles["BLOCK_N"] * tiles.get("CONSUMERS", 1))), batch * heads_kv)
+    return start(kernel, grid)(
         queries[0], keys[0], keys[1], queries[1], queries[2], keys[2], keys[3], *queries[3:],
         grad_k, grad_v, *grad_k.stride()[:3],
         q.shape[2], m, heads_kv, group, **args, **tiles,
@@ -141,7 +156,8 @@ def bob_rows(start, q, k, v, out, dout, dq, u_q, u_k, u_v, lse, delta, grad_q, g
     partial = torch.empty(grad_q.shape, dtype=torch.float32, device=grad_q.device) if late else grad_q
     queries = [_descriptor(t, main["BLOCK_M"]) for t in (q, dout, u_q)]
     keys = [_descriptor(t, main["BLOCK_N"]) for t in (k, v, u_k, u_v)]
-    compiled = [start(attention_bob_rows_sm90_kernel, (-(-n // main["BLOCK_M"]), batch * heads_q))(
+    grid = (-(-n // (main["BLOCK_M"] * main["CONSUMERS"])), batch * heads_q)
+    compiled = [start(attention_bob_rows_ws_sm90_kernel, grid)(
         queries[0], keys[0], keys[1], queries[1], queries[2], keys[2], keys[3],
         out, dq, lse, delta, partial, grad_dout, row_c, row_e, *out.stride()[:3], *dq.stride()[:3],
         *grad_q.stride()[:3], svec, n, m, heads_q, group, **args, LATE_PK=bool(late), **main,

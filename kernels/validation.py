@@ -122,9 +122,10 @@ def check_fp32_precision(fp32_precision: str | None) -> str:
     "ieee": full float32 products on the CUDA cores (no tensor cores): about 1.4x plain PyTorch
       float32's error, 4-7x slower than "tf32x3" and the slowest to compile (42-75 s on the H200).
     "tf32x3" (the default): each product as three tensor-core TF32 products (high*high + high*low +
-      low*high parts of the operands): 1.0-1.3x PyTorch float32's error, about 3x the tensor-core
-      work of "tf32"; at head dim 128 its BoB runs on small tiles (its split operands need more
-      shared memory), 24 ms at N=4096 on the H200 (8.5 ms at head dim 64).
+      low*high parts of the operands): 1.0-1.3x PyTorch float32's error at N=4096 (2.3x at N=17,
+      where PyTorch's sums are short), about 3x the tensor-core work of "tf32"; at head dim 128 its
+      BoB runs on small tiles (its split operands need more shared memory), 24 ms at N=4096 on the
+      H200 (8.5 ms at head dim 64).
     "tf32": one TF32 product (10-bit mantissas): fastest, about 1e-3 relative error.
     Ignored for float16 and bfloat16 inputs, whose products are always native tensor-core ones.
     """
