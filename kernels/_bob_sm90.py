@@ -340,6 +340,58 @@ def attention_bob_cols_sm90_kernel(
 
 
 @gluon.jit
+def _tile_buffers(prefix: gl.constexpr, first_desc, second_desc, third_desc, fourth_desc,
+                  SECOND: gl.constexpr, THIRD: gl.constexpr, FOURTH: gl.constexpr):
+    """Shared memory for prefix + (tile shape) tiles of each descriptor's tensor: the first always, the
+    others where their flag is on (else the first's buffer stands in, never read)."""
+    shape: gl.constexpr = prefix + first_desc.block_type.shape
+    first = gl.allocate_shared_memory(first_desc.dtype, shape, first_desc.layout)
+    second = first
+    third = first
+    fourth = first
+    if SECOND:
+        second = gl.allocate_shared_memory(second_desc.dtype, shape, second_desc.layout)
+    if THIRD:
+        third = gl.allocate_shared_memory(third_desc.dtype, shape, third_desc.layout)
+    if FOURTH:
+        fourth = gl.allocate_shared_memory(fourth_desc.dtype, shape, fourth_desc.layout)
+    return first, second, third, fourth
+
+
+@gluon.jit
+def _consumer_barriers(STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+    """The barriers of a warp-specialized kernel: one for the tiles loaded once, and per ring slot
+    `ready` (the producer's TMA bytes) and `empty` (one arrival from each of the CONSUMERS)."""
+    once = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(once.index(0), count=1)
+    ready = _ring_barriers(STAGES)
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(empty.index(i), count=CONSUMERS)
+    return once, ready, empty
+
+
+@gluon.jit
+def _issue_blocks_once(bar, b, h, start, first_desc, second_desc, third_desc, fourth_desc, first_bufs,
+                       second_bufs, third_bufs, fourth_bufs, SECOND: gl.constexpr, THIRD: gl.constexpr,
+                       FOURTH: gl.constexpr, BLOCK: gl.constexpr, CONSUMERS: gl.constexpr):
+    """Start the TMA loads of the CONSUMERS blocks of BLOCK rows (start + i * BLOCK ..) of head h of
+    batch row b of each tensor (the first always, the others where their flag is on) into block i of its
+    buffers, all completing on `bar`."""
+    nbytes: gl.constexpr = first_desc.block_type.nbytes * (1 + SECOND + THIRD + FOURTH) * CONSUMERS
+    mbarrier.expect(bar, nbytes)
+    for i in gl.static_range(CONSUMERS):
+        rows = start + i * BLOCK
+        tma.async_copy_global_to_shared(first_desc, [b, h, rows, 0], bar, first_bufs.index(i))
+        if SECOND:
+            tma.async_copy_global_to_shared(second_desc, [b, h, rows, 0], bar, second_bufs.index(i))
+        if THIRD:
+            tma.async_copy_global_to_shared(third_desc, [b, h, rows, 0], bar, third_bufs.index(i))
+        if FOURTH:
+            tma.async_copy_global_to_shared(fourth_desc, [b, h, rows, 0], bar, fourth_bufs.index(i))
+
+
+@gluon.jit
 def _cols_loads(q_desc, do_desc, uq_desc, lse_desc, e_desc, delta_desc, c_desc, k_desc, v_desc, uk_desc,
                 uv_desc, key_bar, ready, empty, q_ring, do_ring, uq_ring, lse_ring, e_ring, delta_ring,
                 c_ring, k_keys, v_keys, uk_keys, uv_keys, b, hk, start_n, lo, n_tiles, total, GROUP,
@@ -349,17 +401,8 @@ def _cols_loads(q_desc, do_desc, uq_desc, lse_desc, e_desc, delta_desc, c_desc, 
     """The producer partition of the warp-specialized columns pass (one warp): the CONSUMERS key blocks
     of BLOCK_N rows (K, with their flags V, U_K, U_V) once onto key_bar, then every query tile into
     the ring, slot t % STAGES once all consumers have released it (`empty`), onto `ready`."""
-    key_bytes: gl.constexpr = k_desc.block_type.nbytes * (1 + HAS_G + HAS_UK + HAS_UV) * CONSUMERS
-    mbarrier.expect(key_bar.index(0), key_bytes)
-    for i in gl.static_range(CONSUMERS):
-        first = start_n + i * BLOCK_N
-        tma.async_copy_global_to_shared(k_desc, [b, hk, first, 0], key_bar.index(0), k_keys.index(i))
-        if HAS_G:
-            tma.async_copy_global_to_shared(v_desc, [b, hk, first, 0], key_bar.index(0), v_keys.index(i))
-        if HAS_UK:
-            tma.async_copy_global_to_shared(uk_desc, [b, hk, first, 0], key_bar.index(0), uk_keys.index(i))
-        if HAS_UV:
-            tma.async_copy_global_to_shared(uv_desc, [b, hk, first, 0], key_bar.index(0), uv_keys.index(i))
+    _issue_blocks_once(key_bar.index(0), b, hk, start_n, k_desc, v_desc, uk_desc, uv_desc, k_keys, v_keys,
+                       uk_keys, uv_keys, HAS_G, HAS_UK, HAS_UV, BLOCK_N, CONSUMERS)
     for t in range(total):
         mbarrier.wait(empty.index(t % STAGES), ((t // STAGES) & 1) ^ 1)
         _issue_query_tiles(t, n_tiles, lo, b, hk, GROUP, q_desc, do_desc, uq_desc, lse_desc, e_desc,
@@ -415,54 +458,27 @@ def attention_bob_cols_ws_sm90_kernel(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
-    """The columns pass warp-specialized: one program owns CONSUMERS * BLOCK_N keys of one (batch, kv
-    head), each block of BLOCK_N keys held by a consumer warpgroup of its own (the default partition,
-    num_warps = 4, and CONSUMERS - 1 workers of CONSUMER_REGS registers), which run the steps of
-    `attention_bob_cols_sm90_kernel` without waiting for each other; one producer warp issues every
-    TMA load, refilling a ring slot once all consumers have released it. Arguments, outputs and
+    """The columns pass, warp-specialized: one program owns CONSUMERS * BLOCK_N keys of one (batch, kv
+    head), each block of BLOCK_N held by a consumer warpgroup of its own (the default partition,
+    num_warps = 4, and a worker of CONSUMER_REGS registers); the consumers share the query tiles that
+    one producer warp streams, a ring slot refilled once all have released it. Arguments, outputs and
     descriptors as `attention_bob_cols_sm90_kernel`'s; grid (cdiv(M, CONSUMERS * BLOCK_N), B * Hkv)."""
     gl.static_assert(num_warps == 4, "a consumer is one warpgroup")
     gl.static_assert(CONSUMERS == 2, "two consumer warpgroups")
     LOAD_DO: gl.constexpr = HAS_UV or HAS_G
-    dtype: gl.constexpr = q_desc.dtype
     pid_bh = gl.program_id(1)
     b = pid_bh // HEADS_KV
     hk = pid_bh % HEADS_KV
     KS, KE = load_key_range(KeyRange, b.to(gl.int64), M, HAS_RANGE)
     start_n = gl.program_id(0) * (CONSUMERS * BLOCK_N)
 
-    key_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(key_bar.index(0), count=1)
-    ready = _ring_barriers(STAGES)
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(empty.index(i), count=CONSUMERS)
-    keys_shape: gl.constexpr = [CONSUMERS] + k_desc.block_type.shape
-    k_keys = gl.allocate_shared_memory(dtype, keys_shape, k_desc.layout)
-    v_keys = k_keys
-    uk_keys = k_keys
-    uv_keys = k_keys
-    if HAS_G:
-        v_keys = gl.allocate_shared_memory(dtype, keys_shape, v_desc.layout)
-    if HAS_UK:
-        uk_keys = gl.allocate_shared_memory(dtype, keys_shape, uk_desc.layout)
-    if HAS_UV:
-        uv_keys = gl.allocate_shared_memory(dtype, keys_shape, uv_desc.layout)
-    q_ring = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
-    do_ring = q_ring
-    uq_ring = q_ring
-    if LOAD_DO:
-        do_ring = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
-    if HAS_UQ:
-        uq_ring = gl.allocate_shared_memory(dtype, [STAGES] + uq_desc.block_type.shape, uq_desc.layout)
-    lse_ring = gl.allocate_shared_memory(gl.float32, [STAGES] + lse_desc.block_type.shape, lse_desc.layout)
-    e_ring = gl.allocate_shared_memory(gl.float32, [STAGES] + e_desc.block_type.shape, e_desc.layout)
-    delta_ring = lse_ring
-    c_ring = lse_ring
-    if HAS_G:
-        delta_ring = gl.allocate_shared_memory(gl.float32, [STAGES] + delta_desc.block_type.shape,
-                                               delta_desc.layout)
-        c_ring = gl.allocate_shared_memory(gl.float32, [STAGES] + c_desc.block_type.shape, c_desc.layout)
+    key_bar, ready, empty = _consumer_barriers(STAGES, CONSUMERS)
+    k_keys, v_keys, uk_keys, uv_keys = _tile_buffers([CONSUMERS], k_desc, v_desc, uk_desc, uv_desc, HAS_G,
+                                                     HAS_UK, HAS_UV)
+    q_ring, do_ring, uq_ring, _ = _tile_buffers([STAGES], q_desc, do_desc, uq_desc, q_desc, LOAD_DO, HAS_UQ,
+                                                False)
+    lse_ring, e_ring, delta_ring, c_ring = _tile_buffers([STAGES], lse_desc, e_desc, delta_desc, c_desc, True,
+                                                         HAS_G, HAS_G)
 
     lo, hi = query_range(start_n, N, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW, HAS_RANGE, BLOCK_M,
                          CONSUMERS * BLOCK_N)
@@ -587,15 +603,8 @@ def _rows_loads(q_desc, do_desc, uq_desc, k_desc, v_desc, uk_desc, uv_desc, quer
     """The producer partition of the warp-specialized rows pass (one warp): the CONSUMERS query blocks
     of BLOCK_M rows (Q, with their flags dO, U_Q) once onto query_bar, then every key tile into the
     ring, slot t % STAGES once all consumers have released it (`empty`), onto `ready`."""
-    query_bytes: gl.constexpr = q_desc.block_type.nbytes * (1 + LOAD_DO + HAS_UQ) * CONSUMERS
-    mbarrier.expect(query_bar.index(0), query_bytes)
-    for i in gl.static_range(CONSUMERS):
-        first = start_m + i * BLOCK_M
-        tma.async_copy_global_to_shared(q_desc, [b, h, first, 0], query_bar.index(0), q_rows.index(i))
-        if LOAD_DO:
-            tma.async_copy_global_to_shared(do_desc, [b, h, first, 0], query_bar.index(0), do_rows.index(i))
-        if HAS_UQ:
-            tma.async_copy_global_to_shared(uq_desc, [b, h, first, 0], query_bar.index(0), uq_rows.index(i))
+    _issue_blocks_once(query_bar.index(0), b, h, start_m, q_desc, do_desc, uq_desc, q_desc, q_rows, do_rows,
+                       uq_rows, q_rows, LOAD_DO, HAS_UQ, False, BLOCK_M, CONSUMERS)
     for t in range(total):
         mbarrier.wait(empty.index(t % STAGES), ((t // STAGES) & 1) ^ 1)
         _issue_key_tiles(t, lo, b, hk, k_desc, v_desc, uk_desc, uv_desc, ready, k_ring, v_ring, uk_ring,
@@ -656,44 +665,26 @@ def attention_bob_rows_ws_sm90_kernel(
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CONSUMERS: gl.constexpr,
     STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
-    """The rows pass warp-specialized: one program owns CONSUMERS * BLOCK_M queries of one (batch, query
-    head), each block of BLOCK_M queries held by a consumer warpgroup of its own (the default partition,
-    num_warps = 4, and a worker of CONSUMER_REGS registers), which run the steps of
-    `attention_bob_rows_sm90_kernel` without waiting for each other on the key tiles they share; one
-    producer warp issues every TMA load, refilling a ring slot once all consumers have released it.
-    Arguments and outputs as `attention_bob_rows_sm90_kernel`'s; grid (cdiv(N, CONSUMERS * BLOCK_M),
-    B * Hq), the last blocks first."""
+    """The rows pass, warp-specialized: one program owns CONSUMERS * BLOCK_M queries of one (batch,
+    query head), each block of BLOCK_M held by a consumer warpgroup of its own (the default partition,
+    num_warps = 4, and a worker of CONSUMER_REGS registers); the consumers share the key tiles that one
+    producer warp streams, a ring slot refilled once all have released it. Writes Q̄ (with LATE_PK:
+    s*sum[X K + dS U_K] - c*dQ, into a float32 GQ), dŌ, c and e (GQ, GDO: (B, Hq, N, D), shared element
+    strides; C, E: the float32 row vectors, rows svec apart). Grid (cdiv(N, CONSUMERS * BLOCK_M),
+    B * Hq), the last blocks first. Descriptors: TMA boxes (1, 1, BLOCK_M, D) of q, dout, u_q and
+    (1, 1, BLOCK_N, D) of k, v, u_k, u_v (an absent cotangent's flag is off and its descriptor, a
+    stand-in, is never read); O and DQ are read through their strides."""
     gl.static_assert(num_warps == 4, "a consumer is one warpgroup")
     gl.static_assert(CONSUMERS == 2, "two consumer warpgroups")
     LOAD_DO: gl.constexpr = HAS_UV or HAS_G
-    dtype: gl.constexpr = q_desc.dtype
     b, h, hk, KS, KE, row, start_m, _ = _row_block(HEADS_Q, GROUP, KeyRange, M, svec, HAS_RANGE,
                                                    CONSUMERS * BLOCK_M, gl.BlockedLayout([1], [32], [4], [0]))
 
-    query_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(query_bar.index(0), count=1)
-    ready = _ring_barriers(STAGES)
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(empty.index(i), count=CONSUMERS)
-    rows_shape: gl.constexpr = [CONSUMERS] + q_desc.block_type.shape
-    q_rows = gl.allocate_shared_memory(dtype, rows_shape, q_desc.layout)
-    do_rows = q_rows
-    uq_rows = q_rows
-    if LOAD_DO:
-        do_rows = gl.allocate_shared_memory(dtype, rows_shape, do_desc.layout)
-    if HAS_UQ:
-        uq_rows = gl.allocate_shared_memory(dtype, rows_shape, uq_desc.layout)
-    k_ring = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
-    v_ring = k_ring
-    uk_ring = k_ring
-    uv_ring = k_ring
-    if HAS_G:
-        v_ring = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    if HAS_UK:
-        uk_ring = gl.allocate_shared_memory(dtype, [STAGES] + uk_desc.block_type.shape, uk_desc.layout)
-    if HAS_UV:
-        uv_ring = gl.allocate_shared_memory(dtype, [STAGES] + uv_desc.block_type.shape, uv_desc.layout)
+    query_bar, ready, empty = _consumer_barriers(STAGES, CONSUMERS)
+    q_rows, do_rows, uq_rows, _ = _tile_buffers([CONSUMERS], q_desc, do_desc, uq_desc, q_desc, LOAD_DO,
+                                                HAS_UQ, False)
+    k_ring, v_ring, uk_ring, uv_ring = _tile_buffers([STAGES], k_desc, v_desc, uk_desc, uv_desc, HAS_G,
+                                                     HAS_UK, HAS_UV)
 
     lo, hi = key_range(start_m, M, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW, HAS_RANGE, CONSUMERS * BLOCK_M,
                        BLOCK_N)
