@@ -162,7 +162,10 @@ def median_ms(fn, rep_ms: int) -> float:
 
 def kernel_times(fn, names, reps: int = 5) -> dict[str, float]:
     """Mean GPU milliseconds per call of fn spent in the kernels whose names start with each of
-    `names` (all their launches summed), from the profiler, after one warm call."""
+    `names` (all their launches summed), from the profiler, after one warm call; and under IDLE_KEY
+    the GPU's idle milliseconds per call between kernels, from the second call's first kernel to the
+    last call's last one (the first call's launches start on an idle GPU, which waits for the host
+    between them: the host time of a call, not a gap of calls issued back to back)."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -172,8 +175,26 @@ def kernel_times(fn, names, reps: int = 5) -> dict[str, float]:
             fn()
         torch.cuda.synchronize()
     events = prof.key_averages()
-    return {name: sum(e.device_time_total for e in events if e.key.startswith(name)) / reps / 1e3
-            for name in names}
+    times = {name: sum(e.device_time_total for e in events if e.key.startswith(name)) / reps / 1e3
+             for name in names}
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA)
+    times[IDLE_KEY] = idle_us(kernels[len(kernels) // reps:]) / (reps - 1) / 1e3
+    return times
+
+
+IDLE_KEY = "idle"
+"""kernel_times' key of the GPU's idle time between kernels."""
+
+
+def idle_us(intervals: list[tuple[float, float]]) -> float:
+    """Time inside [first start, last end] of (start, end) intervals that no interval covers."""
+    idle, reach = 0.0, None
+    for start, end in sorted(intervals):
+        if reach is not None and start > reach:
+            idle += start - reach
+        reach = end if reach is None else max(reach, end)
+    return idle
 
 
 def peak_gib(fn) -> tuple[float, float]:

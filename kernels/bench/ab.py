@@ -26,9 +26,9 @@ a training loop), whose mean per call is the round's time, in an order that rota
 round (A B Y, B Y A, Y A B, ...). A side's ratio to A is taken round by round; the table
 gives its median and [min, max] over the rounds (the spread: a ratio whose interval holds 1.00 is
 no difference), the median time (with --kernel-split also the rows and columns kernels' GPU ms from
-the profiler), the ratio to the yardstick's median, and "diff", the largest
-relative difference of the side's four BoB outputs to A's on the same inputs (bitwise-equal
-arithmetic: 0). Off CUDA (tests, the Triton interpreter) the host clock times the calls.
+the profiler and the GPU's idle ms between the BoB's kernels), the ratio to the yardstick's median,
+and "diff", the largest relative difference of the side's four BoB outputs to A's on the same inputs
+(bitwise-equal arithmetic: 0). Off CUDA (tests, the Triton interpreter) the host clock times the calls.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ import torch
 
 from kernels.bench import (
     DTYPES,
+    IDLE_KEY,
     Results,
     block_ms,
     device,
@@ -68,8 +69,9 @@ from kernels.bench import (
 
 MODES = ("bob", "step")
 SPLIT_KERNELS = {"rows_ms": "attention_bob_rows", "cols_ms": "attention_bob_cols",
-                 "row_dot_ms": "row_dot_kernel"}
-"""With --kernel-split, the BoB mode's GPU ms per call in each kernel (the profiler's names)."""
+                 "row_dot_ms": "row_dot_kernel", "idle_ms": IDLE_KEY}
+"""With --kernel-split, the BoB mode's GPU ms per call in each kernel (the profiler's names), and the
+GPU's idle ms per call between them (IDLE_KEY)."""
 WARM_N = 256
 """Length of the warm-up calls: a multiple of 16, so kernels that specialize on lengths (older
 versions) compile what the timed lengths run."""
@@ -254,8 +256,10 @@ def run_case(results: Results, sides: list[Side], case: Case, modes: list[str], 
         yard_ms = statistics.median(times["yardstick"])
         split = {}
         if kernel_split and mode == "bob" and torch.cuda.is_available():
-            split = {name: {key: ms for key, ms in zip(SPLIT_KERNELS, kernel_times(
-                fns[name], list(SPLIT_KERNELS.values())).values())} for name in fns}
+            kernel_names = [k for k in SPLIT_KERNELS.values() if k != IDLE_KEY]
+            for name in fns:
+                own = kernel_times(fns[name], kernel_names)
+                split[name] = {key: own[k] for key, k in SPLIT_KERNELS.items()}
         for s in sides:
             ms, ms_min, ms_max = spread(times[s.name])
             ratios = [t / a for t, a in zip(times[s.name], times["A"])]
@@ -277,7 +281,8 @@ def table(rows: list[dict], info: dict) -> str:
              "", "| case | mode | side | ms (median [min, max]) | ratio to A (median [min, max]) | "
              "/ yardstick | yardstick ms | diff |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        split = f" (rows {r['rows_ms']:.2f}, cols {r['cols_ms']:.2f})" if r.get("rows_ms") is not None else ""
+        split = (f" (rows {r['rows_ms']:.2f}, cols {r['cols_ms']:.2f}, idle {r['idle_ms']:.2f})"
+                 if r.get("rows_ms") is not None else "")
         lines.append(
             f"| {r['mask']} d{r['d']} N{r['n']} {r['dtype']} | {r['mode']} | {r['side']} | "
             f"{r['ms']:.3f} [{r['ms_min']:.3f}, {r['ms_max']:.3f}]{split} | "

@@ -61,6 +61,13 @@ def test_ab_rounds_rotate_the_order():
     assert {name: len(t) for name, t in times.items()} == {"A": 3, "B": 3, "yardstick": 3}
 
 
+def test_idle_time_is_what_no_kernel_covers_between_the_first_start_and_the_last_end():
+    assert bench.idle_us([(10.0, 20.0), (25.0, 30.0), (0.0, 8.0)]) == 2.0 + 5.0
+    assert bench.idle_us([(0.0, 10.0), (2.0, 5.0), (9.0, 12.0)]) == 0.0  # overlaps and nesting
+    assert bench.idle_us([(3.0, 4.0)]) == 0.0
+    assert bench.idle_us([]) == 0.0
+
+
 def test_ab_times_two_sides_and_the_yardstick(tmp_path, monkeypatch):
     """This tree as side A and again as side B (imported twice under their own names): every
     (case, mode, side) has a row, the ratios come from the per-round times, the outputs agree."""
