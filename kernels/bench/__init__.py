@@ -151,6 +151,19 @@ def block_ms(fn, iters: int) -> float:
     return start.elapsed_time(end) / iters
 
 
+def host_ms(fn, iters: int) -> float:
+    """Mean host milliseconds per call to issue `iters` calls of fn back to back, the GPU's work not
+    waited for (it is afterwards): what the launcher costs the CPU, the floor of a call's time
+    wherever the GPU's work is shorter."""
+    sync()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    seconds = time.perf_counter() - start
+    sync()
+    return 1e3 * seconds / iters
+
+
 def median_ms(fn, rep_ms: int) -> float:
     """Median ms of fn: triton.testing.do_bench on CUDA (rep_ms of timed calls), one timed call elsewhere."""
     if not torch.cuda.is_available():

@@ -27,8 +27,10 @@ round (A B Y, B Y A, Y A B, ...). A side's ratio to A is taken round by round; t
 gives its median and [min, max] over the rounds (the spread: a ratio whose interval holds 1.00 is
 no difference), the median time (with --kernel-split also the rows and columns kernels' GPU ms from
 the profiler and the GPU's idle ms between the BoB's kernels), the ratio to the yardstick's median,
-and "diff", the largest relative difference of the side's four BoB outputs to A's on the same inputs
-(bitwise-equal arithmetic: 0). Off CUDA (tests, the Triton interpreter) the host clock times the calls.
+"host ms", the host's time per call to issue --iters calls back to back (the floor of a call's time
+where the GPU's work is shorter: short sequences), and "diff", the largest relative difference of
+the side's four BoB outputs to A's on the same inputs (bitwise-equal arithmetic: 0). Off CUDA
+(tests, the Triton interpreter) the host clock times the calls.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from kernels.bench import (
     block_ms,
     device,
     fwd_bwd_call,
+    host_ms,
     int_list,
     kernel_times,
     meta,
@@ -254,6 +257,7 @@ def run_case(results: Results, sides: list[Side], case: Case, modes: list[str], 
             fn()
         times = time_rounds({**fns, "yardstick": yard}, rounds, iters)
         yard_ms = statistics.median(times["yardstick"])
+        host = {name: host_ms(fn, iters) for name, fn in fns.items()}
         split = {}
         if kernel_split and mode == "bob" and torch.cuda.is_available():
             kernel_names = [k for k in SPLIT_KERNELS.values() if k != IDLE_KEY]
@@ -267,7 +271,8 @@ def run_case(results: Results, sides: list[Side], case: Case, modes: list[str], 
             results.record(**dataclasses.asdict(case), mode=mode, side=s.name, where=s.where, ms=ms,
                            ms_min=ms_min, ms_max=ms_max, ratio=ratio, ratio_min=ratio_min,
                            ratio_max=ratio_max, yardstick_ms=yard_ms, vs_yardstick=ms / yard_ms,
-                           diff=diffs[s.name], rounds=rounds, iters=iters, **split.get(s.name, {}))
+                           diff=diffs[s.name], host_ms=host[s.name], rounds=rounds, iters=iters,
+                           **split.get(s.name, {}))
     del calls, inputs
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -279,7 +284,7 @@ def table(rows: list[dict], info: dict) -> str:
              f"{info['rounds']} rounds of {info['iters']} calls; sides: "
              + ", ".join(f"{s['name']} = {s['where']}" for s in info["sides"]),
              "", "| case | mode | side | ms (median [min, max]) | ratio to A (median [min, max]) | "
-             "/ yardstick | yardstick ms | diff |", "|---|---|---|---|---|---|---|---|"]
+             "/ yardstick | yardstick ms | host ms | diff |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         split = (f" (rows {r['rows_ms']:.2f}, cols {r['cols_ms']:.2f}, idle {r['idle_ms']:.2f})"
                  if r.get("rows_ms") is not None else "")
@@ -287,7 +292,7 @@ def table(rows: list[dict], info: dict) -> str:
             f"| {r['mask']} d{r['d']} N{r['n']} {r['dtype']} | {r['mode']} | {r['side']} | "
             f"{r['ms']:.3f} [{r['ms_min']:.3f}, {r['ms_max']:.3f}]{split} | "
             f"{r['ratio']:.3f} [{r['ratio_min']:.3f}, {r['ratio_max']:.3f}] | {r['vs_yardstick']:.2f} | "
-            f"{r['yardstick_ms']:.3f} | {r['diff']:.1e} |")
+            f"{r['yardstick_ms']:.3f} | {r['host_ms']:.3f} | {r['diff']:.1e} |")
     return "\n".join(lines) + "\n"
 
 
