@@ -74,8 +74,8 @@ def test_two_nodes_started_by_torchrun_reach_the_parameters_of_one_process(strat
     one = train(tmp_path / "one", "maml_longctx", "one", "trainer.meta_batch_size=4")
     args = ["recipe=maml_longctx", *TINY_RECIPES["maml_longctx"], *COMMON, "trainer.meta_batch_size=2"]
     args += [f"trainer.strategy={strategy}", "trainer.devices=1", "trainer.num_nodes=2"]
-    # A pair that hangs (seen once in ~20 CI runs, never reproduced: the first node's wait timed out with
-    # no output kept) is killed, reported as a warning with both logs, and started once more in a new run
+    # A pair that hangs (seen once in CI, never reproduced here: the first node's wait timed out with
+    # no output kept) is stopped, reported as a warning with both logs, and started once more in a new run
     # directory; a pair that fails, or hangs twice, fails the test.
     for attempt in (1, 2):
         name = f"nodes{attempt}"
