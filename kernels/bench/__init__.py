@@ -181,6 +181,8 @@ def kernel_times(fn, names, reps: int = 5) -> dict[str, float]:
     between them: the host time of a call, not a gap of calls issued back to back)."""
     from torch.profiler import ProfilerActivity, profile
 
+    if reps < 2:
+        raise ValueError(f"reps={reps}: expected at least 2 (the idle time is counted from the second call)")
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

@@ -66,6 +66,8 @@ def test_idle_time_is_what_no_kernel_covers_between_the_first_start_and_the_last
     assert bench.idle_us([(0.0, 10.0), (2.0, 5.0), (9.0, 12.0)]) == 0.0  # overlaps and nesting
     assert bench.idle_us([(3.0, 4.0)]) == 0.0
     assert bench.idle_us([]) == 0.0
+    with pytest.raises(ValueError, match="reps=1"):
+        bench.kernel_times(lambda: None, ["any"], reps=1)
 
 
 def test_ab_times_two_sides_and_the_yardstick(tmp_path, monkeypatch):
