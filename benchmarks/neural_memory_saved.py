@@ -6,13 +6,13 @@
 
 One `ttt.memory.workload.memory_meta_step` (second order, 2 layers of d_model 64 with memories in both,
 depth-2 memory, chunks of 64, float32) per N. The attention runs the FlashBoB autograd chain of the
-CUDA path (`kernels.autograd`: forward, first backward and BoB Functions, which save q, k, v, out, lse,
-and dout, dq) with the plain-PyTorch stages of `kernels.reference` in place of the Triton launchers, so
+CUDA path (`flashbob.autograd`: forward, first backward and BoB Functions, which save q, k, v, out, lse,
+and dout, dq) with the plain-PyTorch stages of `flashbob.reference` in place of the Triton launchers, so
 what is saved is what the kernels save on CUDA (O(N) per call), not the N x N scores of the CPU path.
 `SavedTensorMeter` counts each saved storage once; its peak is the activation memory of the step.
 
 Prints per N: saved bytes per token (peak), and, at the end of the forward, the part first saved by the
-attention chain (kernels/) and the rest; --sources K adds the K largest savers by code line. --concat
+attention chain (flashbob/) and the rest; --sources K adds the K largest savers by code line. --concat
 reads with the per-chunk torch.cat of the prefix keys and values (`SuffixBlock.shares_prefix` off), the
 computation before `PrefixCache`.
 """
@@ -25,8 +25,8 @@ from collections.abc import Iterator
 
 import torch
 
-import kernels
-from kernels import autograd, reference, triton_ops
+import flashbob
+from flashbob import autograd, reference, triton_ops
 from ttt.experiments.memory_meters import SavedTensorMeter
 from ttt.memory.workload import memory_meta_step
 from ttt.models import TransformerConfig
@@ -51,13 +51,13 @@ def _chain_attention(q, k, v, *, causal=False, window=None, scale=None, backend=
 
 @contextlib.contextmanager
 def cuda_chain_on_cpu() -> Iterator[None]:
-    """Inside: `kernels.flash_attention` runs the Triton path's autograd chain with the reference stages
+    """Inside: `flashbob.flash_attention` runs the Triton path's autograd chain with the reference stages
     as its launchers (any device, any dtype the references take)."""
     patched = {
         (triton_ops, "forward"): _forward,
         (triton_ops, "backward"): _backward,
         (triton_ops, "bob"): _bob,
-        (kernels, "flash_attention"): _chain_attention,
+        (flashbob, "flash_attention"): _chain_attention,
     }
     originals = {key: getattr(*key) for key in patched}
     try:
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'N':>6} {'saved B/token':>14} {'attention':>10} {'rest':>8}")
     for n in args.ns:
         peak, sources = measure(n, variant=args.variant, window=args.window, concat=args.concat)
-        attention = sum(b for source, b in sources.items() if source.startswith("kernels/"))
+        attention = sum(b for source, b in sources.items() if source.startswith("flashbob/"))
         rest = sum(sources.values()) - attention
         print(f"{n:>6} {peak / n:>14.0f} {attention / n:>10.0f} {rest / n:>8.0f}")
         for source, nbytes in sources.most_common(args.sources):

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.environment import describe
+from flashbob.environment import describe
 from ttt.experiments.meta_step_probe import measure
 from ttt.experiments.workloads import NextTokenObjective, Point, random_task
 from ttt.inner import InnerLoop, InnerLoopConfig, meta_step, select_parameters

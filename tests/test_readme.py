@@ -25,12 +25,12 @@ def block(marker: str) -> str:
 
 
 def test_every_python_block_is_run_by_a_test():
-    markers = ("kernels.flash_attention(q, k, v", 'attn_implementation="bob"', "class LineLearner")
+    markers = ("flashbob.flash_attention(q, k, v", 'attn_implementation="bob"', "class LineLearner")
     assert sorted(BLOCKS) == sorted(block(marker) for marker in markers)
 
 
 def test_the_kernels_example_differentiates_twice_and_through_the_jvp():
-    namespace = run(block("kernels.flash_attention(q, k, v"))
+    namespace = run(block("flashbob.flash_attention(q, k, v"))
     q = namespace["q"]
     assert [g.shape for g in namespace["meta"]] == [q.shape, namespace["k"].shape, namespace["v"].shape]
     assert all(torch.isfinite(g.float()).all() and g.abs().sum() > 0 for g in namespace["meta"])

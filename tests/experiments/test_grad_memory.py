@@ -133,14 +133,14 @@ def test_memory_model_matches_the_saved_bytes_and_bounds_the_peak(dtype, backend
 
 def test_memory_model_matches_the_flashbob_kernels_saved_bytes(monkeypatch):
     """The FlashBoB autograd chain itself (Triton's CPU interpreter), not the CPU fallback."""
-    import kernels
+    import flashbob
 
-    flash_attention = kernels.flash_attention
+    flash_attention = flashbob.flash_attention
 
     def triton_only(*args, backend, **kwargs):
         return flash_attention(*args, backend="triton", **kwargs)
 
-    monkeypatch.setattr(kernels, "flash_attention", triton_only)
+    monkeypatch.setattr(flashbob, "flash_attention", triton_only)
     setup = grad_memory.resolve(load(["preset=cpu"], cuda_available=False))
     model = Transformer(setup.model)
     dims = ModelDims.of(model, list(select_parameters(model, setup.adapted)))

@@ -5,8 +5,8 @@ per-chunk concatenation; the patched functions are restored afterwards."""
 import importlib.util
 import pathlib
 
-import kernels
-from kernels import triton_ops
+import flashbob
+from flashbob import triton_ops
 
 PATH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "neural_memory_saved.py"
 spec = importlib.util.spec_from_file_location("benchmark_neural_memory_saved", PATH)
@@ -17,13 +17,13 @@ spec.loader.exec_module(bench)
 def attention_bytes_per_token(n, **options):
     peak, sources = bench.measure(n, chunk_len=16, **options)
     assert peak >= sum(sources.values()) > 0
-    return sum(b for source, b in sources.items() if source.startswith("kernels/")) / n
+    return sum(b for source, b in sources.items() if source.startswith("flashbob/")) / n
 
 
 def test_the_shared_prefix_saves_linear_keys_and_values_and_concatenation_quadratic():
-    originals = (kernels.flash_attention, triton_ops.forward, triton_ops.backward, triton_ops.bob)
+    originals = (flashbob.flash_attention, triton_ops.forward, triton_ops.backward, triton_ops.bob)
     shared = [attention_bytes_per_token(n, variant="mac", window=None, concat=False) for n in (32, 128)]
     concat = [attention_bytes_per_token(n, variant="mac", window=None, concat=True) for n in (32, 128)]
     assert abs(shared[1] / shared[0] - 1) < 0.02
     assert concat[1] > 1.5 * concat[0] and concat[1] > 1.5 * shared[1]
-    assert (kernels.flash_attention, triton_ops.forward, triton_ops.backward, triton_ops.bob) == originals
+    assert (flashbob.flash_attention, triton_ops.forward, triton_ops.backward, triton_ops.bob) == originals

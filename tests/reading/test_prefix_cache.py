@@ -5,7 +5,7 @@ Triton chain (interpreter, float32) on its strided views."""
 import pytest
 import torch
 
-import kernels
+import flashbob
 from ttt.reading.prefix_cache import PrefixCache
 
 CHUNKS = (5, 3, 7, 1, 6)  # B 2, Hkv 3, D 5
@@ -106,7 +106,7 @@ def test_detached_cache_extends_in_place_without_a_graph():
 def test_the_triton_chain_reads_the_views_like_the_concatenation(monkeypatch):
     """float32 in the interpreter: forward, gradient and Hessian-vector product of causal attention of
     each chunk's queries over the cache, the keys a view of a longer buffer."""
-    from kernels import triton_ops
+    from flashbob import triton_ops
 
     monkeypatch.setattr(triton_ops, "POISON_OUTPUTS", True)
     chunks, heads, dim = (7, 9), 2, 16
@@ -117,7 +117,7 @@ def test_the_triton_chain_reads_the_views_like_the_concatenation(monkeypatch):
         cache, total = None, 0
         for q, k in zip(queries, keys):
             cache, (all_keys, all_values) = read(cache, k, k.cos())
-            out = kernels.flash_attention(q, all_keys, all_values, causal=True, backend="triton")
+            out = flashbob.flash_attention(q, all_keys, all_values, causal=True, backend="triton")
             total = total + (out * out.detach().sin()).sum()
         return total
 

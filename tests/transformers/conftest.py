@@ -5,7 +5,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-import kernels  # noqa: E402
+import flashbob  # noqa: E402
 
-kernels.register_transformers("bob")
-kernels.register_transformers("bob_triton", backend="triton")
+flashbob.register_transformers("bob")
+flashbob.register_transformers("bob_triton", backend="triton")

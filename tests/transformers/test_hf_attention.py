@@ -1,6 +1,7 @@
 """attn_implementation="bob" on tiny transformers models: logits and second-order meta-gradients
 equal transformers' own "eager" attention; every mask the op cannot express is refused by name."""
 
+import pathlib
 import subprocess
 import sys
 
@@ -9,8 +10,8 @@ import torch
 from tiny_models import ARCHS, SLIDING_ARCHS, VOCAB, tiny_model
 from torch.func import functional_call
 
-from kernels import triton_ops
-from kernels.transformers_attention import (
+from flashbob import triton_ops
+from flashbob.transformers_attention import (
     PaddingKeyRanges,
     UnsupportedAttentionError,
     make_attention_function,
@@ -25,9 +26,53 @@ def tokens(batch=2, n=N, seed=1):
     return torch.randint(0, VOCAB, (batch, n), generator=torch.Generator().manual_seed(seed))
 
 
-def test_import_kernels_does_not_import_transformers():
-    code = "import sys, kernels; assert 'transformers' not in sys.modules, 'transformers was imported'"
+def test_import_flashbob_does_not_import_transformers():
+    code = "import sys, flashbob; assert 'transformers' not in sys.modules, 'transformers was imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+BESIDE_HUB_KERNELS = """
+import importlib.metadata, pathlib, re, sys
+import torch
+needs_hub = any(re.match(r"kernels\\b", r) for r in importlib.metadata.requires("transformers") or [])
+try:
+    import kernels  # Hugging Face's hub-kernel loader, which current transformers requires
+except ModuleNotFoundError:
+    assert not needs_hub, "transformers requires Hugging Face's kernels, which is not importable"
+else:
+    where = pathlib.Path(kernels.__file__).resolve()
+    assert where.parent != pathlib.Path(sys.argv[1]) / "kernels", f"kernels is the repository's: {where}"
+    assert hasattr(kernels, "get_kernel"), f"kernels at {where} is not Hugging Face's hub-kernel loader"
+import flashbob
+from transformers import AutoModelForCausalLM, LlamaConfig
+flashbob.register_transformers("bob")
+cfg = LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=64, vocab_size=50)
+model = AutoModelForCausalLM.from_config(cfg, attn_implementation="bob")
+ids = torch.randint(0, 50, (1, 12))
+mlp = list(model.model.layers[1].mlp.parameters())
+grads = torch.autograd.grad(model(ids, labels=ids).loss, mlp, create_graph=True)
+q_proj = model.model.layers[0].self_attn.q_proj.weight
+meta = torch.autograd.grad(sum(g.square().sum() for g in grads), q_proj)
+assert meta[0].abs().sum() > 0
+print("ok", "hub kernels" if "kernels" in sys.modules else "no hub kernels")
+"""
+
+
+@pytest.mark.parametrize("where", ["repository root", "elsewhere"])
+def test_bob_runs_beside_hugging_face_kernels(where, tmp_path):
+    """The import name `flashbob` leaves `kernels` to Hugging Face's hub-kernel loader, which current
+    transformers imports when it builds a model: from the repository root (where a folder of ours
+    named kernels/ once shadowed it) and from another directory, a model builds and runs "bob"
+    attention through a second-order step."""
+    assert not (ROOT / "kernels").exists(), "a top-level kernels/ would shadow Hugging Face's package"
+    cwd = ROOT if where == "repository root" else tmp_path
+    done = subprocess.run([sys.executable, "-c", BESIDE_HUB_KERNELS, str(ROOT)], cwd=cwd,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("ok")
 
 
 @pytest.mark.parametrize("arch", ARCHS)

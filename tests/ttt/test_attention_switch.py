@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
-from kernels.reference import attention_naive
+import flashbob
+from flashbob.reference import attention_naive
 from ttt.inner import InnerLoop, InnerLoopConfig, functional_forward, select_parameters
 from ttt.models import Transformer, TransformerConfig
 from ttt.models.attention import ATTENTION_BACKENDS, attention
@@ -74,14 +74,14 @@ def test_flashbob_triton_kernels_give_the_inner_loop_the_same_second_order_gradi
         return torch.autograd.grad(outer, list(model.parameters()))
 
     reference = outer_gradient()
-    flash_attention = kernels.flash_attention
+    flash_attention = flashbob.flash_attention
     calls = []
 
     def triton_only(*args, backend, **kwargs):
         calls.append(backend)
         return flash_attention(*args, backend="triton", **kwargs)
 
-    monkeypatch.setattr(kernels, "flash_attention", triton_only)
+    monkeypatch.setattr(flashbob, "flash_attention", triton_only)
     got = outer_gradient()
     assert calls and set(calls) == {"auto"}
     for g, r in zip(got, reference):

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch.func import grad, jvp
 
-import kernels
-import kernels.triton_ops
+import flashbob
+import flashbob.triton_ops
 from ttt.models import ATTENTION_BACKENDS, Transformer, TransformerConfig
 from ttt.second_order import hutchinson_diagonal, hvp, module_loss_fn
 
@@ -72,7 +72,7 @@ def test_hvp_runs_the_flashbob_kernels_and_matches_float64(monkeypatch):
 
     want = model_hvp(tiny_model(torch.float64))
     torch32 = model_hvp(model)
-    flash_attention, bob = kernels.flash_attention, kernels.triton_ops.bob
+    flash_attention, bob = flashbob.flash_attention, flashbob.triton_ops.bob
     calls = []
 
     def triton_only(*args, backend, **kwargs):
@@ -83,8 +83,8 @@ def test_hvp_runs_the_flashbob_kernels_and_matches_float64(monkeypatch):
         calls.append("bob")
         return bob(*args, **kwargs)
 
-    monkeypatch.setattr(kernels, "flash_attention", triton_only)
-    monkeypatch.setattr(kernels.triton_ops, "bob", counted_bob)
+    monkeypatch.setattr(flashbob, "flash_attention", triton_only)
+    monkeypatch.setattr(flashbob.triton_ops, "bob", counted_bob)
     got = model_hvp(model)
     assert calls.count("attention") == 2 and calls.count("bob") == 2
     assert max_relative_error(got, want) <= 2 * max_relative_error(torch32, want) + 1e-6

@@ -215,14 +215,14 @@ def test_flashbob_kernels_through_the_chunked_layer_match_eager(monkeypatch):
     import importlib
     import os
 
-    import kernels
+    import flashbob
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs CUDA or TRITON_INTERPRET=1 (tests/conftest.py sets it without a GPU)")
 
     def triton_attention(q, k, v, *, backend, causal=True, window=None, scale=None):
-        return kernels.flash_attention(q, k, v, causal=causal, window=window, scale=scale, backend="triton")
+        return flashbob.flash_attention(q, k, v, causal=causal, window=window, scale=scale, backend="triton")
 
     results = []
     for attention in ("eager", "triton"):

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from kernels.environment import describe
+from flashbob.environment import describe
 from ttt.config.choice import Choice
 from ttt.config.loading import ConfigError, load_structured, parse_overrides
 from ttt.inner import select_parameters

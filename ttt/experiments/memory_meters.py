@@ -7,7 +7,7 @@ through a pack hook; the meter counts each storage once while any node still hol
 is the activation memory of a meta step as the back-of-envelope model counts it: no allocator
 slack, no transient buffers, no gradients. Inside `torch.utils.checkpoint` regions the checkpoint's
 own hooks take over, so recomputed activations are (correctly) not counted there. With by_source,
-each storage is also charged to the line of `ttt` or `kernels` code that first saved it (the
+each storage is also charged to the line of `ttt` or `flashbob` code that first saved it (the
 innermost such frame of the Python stack: a custom Function's setup_context, or the line that called a
 built-in op), for finding which operation's saved tensors grow.
 
@@ -101,11 +101,11 @@ class SavedTensorMeter:
 
 
 def _saving_code() -> str:
-    """"path:line function" of the innermost frame in ttt/ or kernels/ outside this module."""
+    """"path:line function" of the innermost frame in ttt/ or flashbob/ outside this module."""
     for frame in reversed(traceback.extract_stack()):
         if frame.filename == __file__:
             continue
-        for package in ("/ttt/", "/kernels/"):
+        for package in ("/ttt/", "/flashbob/"):
             if package in frame.filename:
                 path = package[1:] + frame.filename.rsplit(package, 1)[1]
                 return f"{path}:{frame.lineno} {frame.name}"

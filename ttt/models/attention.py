@@ -1,12 +1,12 @@
 """The one attention function every ttt model calls; `backend` picks the implementation.
 
-* "flashbob": `kernels.flash_attention(backend="auto")`: the FlashBoB Triton kernels on CUDA (exact
+* "flashbob": `flashbob.flash_attention(backend="auto")`: the FlashBoB Triton kernels on CUDA (exact
   backward-over-backward, no N x N tensor), the plain-PyTorch path elsewhere.
-* "eager": `kernels.flash_attention(backend="torch")`: plain PyTorch on any device.
+* "eager": `flashbob.flash_attention(backend="torch")`: plain PyTorch on any device.
 * "sdpa_math": `torch.nn.functional.scaled_dot_product_attention` restricted to its math backend
   (the only SDPA backend that supports double backward), with an explicit boolean mask.
 
-All three share the semantics of `kernels`: causal masks are bottom-right aligned and a window of
+All three share the semantics of `flashbob`: causal masks are bottom-right aligned and a window of
 w keeps the w most recent keys (causal only).
 """
 
@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import kernels
-from kernels.masks import visible_keys
+import flashbob
+from flashbob.masks import visible_keys
 from ttt.config.choice import Choice
 
 
@@ -54,11 +54,12 @@ def attention(
     """Softmax attention through the chosen backend.
 
     q: (B, Hq, N, D); k, v: (B, Hkv, M, D) with Hq a multiple of Hkv. Returns (B, Hq, N, D).
-    causal / window / scale as in `kernels.flash_attention` (scale defaults to D ** -0.5).
+    causal / window / scale as in `flashbob.flash_attention` (scale defaults to D ** -0.5).
     With "sdpa_math", every query must see at least one key (true whenever N <= M and causal).
     """
     backend = AttentionBackend.parse(backend, "attention backend")
     if backend == "sdpa_math":
         return _sdpa_math(q, k, v, causal=causal, window=window, scale=scale)
     kernel_backend = "auto" if backend == "flashbob" else "torch"
-    return kernels.flash_attention(q, k, v, causal=causal, window=window, scale=scale, backend=kernel_backend)
+    return flashbob.flash_attention(q, k, v, causal=causal, window=window, scale=scale,
+                                    backend=kernel_backend)

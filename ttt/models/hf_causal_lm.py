@@ -1,5 +1,5 @@
 """Any Hugging Face transformers causal LM as a ttt model: token ids -> logits, with transformers'
-own parameter names, attention through `attn_implementation="bob"` (kernels.flash_attention, twice
+own parameter names, attention through `attn_implementation="bob"` (flashbob.flash_attention, twice
 differentiable).
 
     model = load_causal_lm(TransformersModelConfig(checkpoint="/data/SmolLM2-135M"))
@@ -35,7 +35,7 @@ class TransformersModelConfig:
     checkpoint: str | None = None
     """Local directory with config.json and safetensors of any transformers causal LM; null: not used."""
     attn_implementation: str = "bob"
-    """bob: kernels.flash_attention (registered here; exact second derivatives); eager: transformers'
+    """bob: flashbob.flash_attention (registered here; exact second derivatives); eager: transformers'
     own (materialises N x N); sdpa cannot be differentiated twice."""
     dtype: str = "float32"
     """Weights' dtype once loaded: float32, bfloat16, float16 or float64."""
@@ -99,7 +99,7 @@ class HFCausalLM(nn.Module):
 
 def _prepare_attention(attn_implementation: str) -> None:
     if attn_implementation == "bob":
-        from kernels import register_transformers
+        from flashbob import register_transformers
 
         register_transformers("bob")
 

@@ -150,7 +150,7 @@ def llama_state_dict(tensors: dict[str, torch.Tensor], cfg: TransformerConfig) -
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 """config.json `architectures[0]` values that load onto `Transformer` (GPT-2 and any other Hugging Face
-model run with our attention through transformers itself, `kernels.register_transformers`)."""
+model run with our attention through transformers itself, `flashbob.register_transformers`)."""
 
 
 def read_hf_config(path: Path) -> dict:

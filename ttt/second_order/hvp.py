@@ -2,7 +2,7 @@
 parameters.
 
 Both differentiate twice in reverse mode (reverse-over-reverse): the gradient is taken with
-create_graph=True and then differentiated again along a vector. Through `kernels.flash_attention`
+create_graph=True and then differentiated again along a vector. Through `flashbob.flash_attention`
 on its Triton path that second reverse pass runs the FlashBoB backward-over-backward kernels, so no
 N x N attention tensor is ever stored.
 

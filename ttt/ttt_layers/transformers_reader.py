@@ -12,7 +12,7 @@ Reading one sequence, with fast weights W chosen among the model's own parameter
     outer (meta) loss = mean over all positions of L_c, each chunk scored before its own update.
 
 The outer gradient runs through every update, so through the model's attention: second order
-through `attn_implementation="bob"` (kernels.flash_attention). Unlike `TTTTransformer`, the left
+through `attn_implementation="bob"` (flashbob.flash_attention). Unlike `TTTTransformer`, the left
 context is re-read with the current fast weights (no key/value cache carried from chunk to chunk:
 transformers' layers are called as they are, through `torch.func.functional_call`), which costs
 (left context + chunk) / chunk forward passes per token, and the sequences of a batch are read one
