@@ -1,12 +1,26 @@
-"""Recipe builders. A builder is a module recipes/NAME.py with a `Config` dataclass (the typed schema
-of the YAML files under configs/ that say `builder: NAME`) and `build(cfg) -> (MetaLearner,
-LightningDataModule)`. Builders are found by module name and imported only when used."""
+"""Recipes: named, complete configs (configs/NAME.yaml) and the builders that make a learner and its data
+from them. A builder is a module recipes/NAME.py with a `Config` dataclass (the typed schema of the YAML
+files under configs/ that say `builder: NAME`) and `build(cfg) -> (MetaLearner, LightningDataModule)`.
+Builders are found by module name and imported only when used.
+
+    cfg = load_config(["recipe=maml_longctx", "trainer.max_steps=50"])   # validated, overrides applied
+    learner, data = load_builder(cfg.builder).build(cfg)
+
+This package is the app on top of the `ttt` library: the command-line entry points import it; the library
+never does (`ttt.config.load_config` takes a `RecipeBook`, and `BOOK` is this package's).
+"""
 
 from __future__ import annotations
 
 import importlib
 import pkgutil
+from pathlib import Path
 from types import ModuleType
+
+from omegaconf import DictConfig
+
+from ttt.config import RecipeBook, RecipeConfig
+from ttt.config import load_config as load_with_book
 
 
 def builder_names() -> list[str]:
@@ -22,3 +36,33 @@ def load_builder(name: str) -> ModuleType:
     if not (hasattr(module, "Config") and hasattr(module, "build")):
         raise ValueError(f"recipes/{name}.py must define Config and build(cfg)")
     return module
+
+
+def available_recipes() -> dict[str, Path]:
+    """Recipe name -> its YAML file, for every configs/**/*.yaml (configs/pretrained/x.yaml is named
+    pretrained/x)."""
+    import configs
+
+    # __path__ rather than importlib.resources: it also works when configs resolves as a namespace package.
+    folders = [Path(entry) for entry in configs.__path__ if Path(entry).is_dir()]
+    return {
+        path.relative_to(folder).with_suffix("").as_posix(): path
+        for folder in folders
+        for path in sorted(folder.rglob("*.yaml"))
+    }
+
+
+def recipe_schema(builder: str) -> type[RecipeConfig]:
+    """The `Config` dataclass of builder `builder` (ValueError naming the builders if there is none)."""
+    return load_builder(builder).Config
+
+
+BOOK = RecipeBook(yamls=available_recipes, schema=recipe_schema)
+"""The recipes of this repository, for `ttt.config.load_config`."""
+
+
+def load_config(overrides: list[str], *, base: DictConfig | None = None) -> RecipeConfig:
+    """The validated config of recipe=NAME (one of `overrides`, "key=value" strings) with the other
+    overrides applied; with `base` (the saved config of a run being resumed) no recipe= is needed.
+    ConfigError (naming the key and what is valid) for a bad recipe, key or value."""
+    return load_with_book(overrides, book=BOOK, base=base)

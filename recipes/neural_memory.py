@@ -7,13 +7,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ttt.config import RecipeConfig
+from ttt.layers import TTTConfig
+from ttt.layers.neural_memory import MemoryConfig, NeuralMemoryTransformer
 from ttt.learners.ttt_language_model import TTTLanguageLearner
-from ttt.memory import MemoryConfig, NeuralMemoryTransformer
 from ttt.meta import TaskDataModule
 from ttt.models import Transformer, TransformerConfig
 from ttt.text.corpus import TextDataConfig
 from ttt.text.long_context import LongContextEvalConfig
-from ttt.ttt_layers import TTTConfig
 
 from .ttt_e2e import build_data, build_learner, text_tokenizer
 

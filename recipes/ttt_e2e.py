@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from ttt.config import RecipeConfig
 from ttt.inner import InnerLoopConfig
+from ttt.layers import TTTConfig, TTTTransformer
 from ttt.learners.ttt_language_model import TTTLanguageLearner
 from ttt.meta import TaskDataModule
 from ttt.models import Transformer, TransformerConfig
@@ -17,7 +18,6 @@ from ttt.text.corpus import TextDataConfig, TokenWindows, split_documents
 from ttt.text.long_context import LongContextEvalConfig
 from ttt.text.passkey import PasskeyMix
 from ttt.text.tokenizer import load_tokenizer
-from ttt.ttt_layers import TTTConfig, TTTTransformer
 
 
 @dataclass

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ttt.config import RecipeConfig
 from ttt.inner import InnerLoopConfig
+from ttt.layers import TransformersTTTReader, TTTConfig, TTTTransformer
 from ttt.learners.ttt_language_model import TTTLanguageLearner
 from ttt.meta import TaskDataModule
 from ttt.models import Transformer, TransformerConfig, from_pretrained
@@ -24,7 +25,6 @@ from ttt.models.hf_causal_lm import TransformersModelConfig, load_causal_lm
 from ttt.text.corpus import TextDataConfig
 from ttt.text.long_context import LongContextEvalConfig
 from ttt.text.tokenizer import load_tokenizer
-from ttt.ttt_layers import TransformersTTTReader, TTTConfig, TTTTransformer
 
 from .ttt_e2e import build_data, build_learner
 
@@ -75,7 +75,7 @@ class Config(RecipeConfig):
     transformers: TransformersModelConfig = field(default_factory=TransformersModelConfig)
     """transformers.checkpoint=DIR: test-time-train that transformers causal LM itself (any architecture;
     its own parameters adapt, inner.params by its names, ttt.extra_mlp=false) instead of converting
-    model.checkpoint (`ttt.ttt_layers.TransformersTTTReader`; the converted path is faster)."""
+    model.checkpoint (`ttt.layers.TransformersTTTReader`; the converted path is faster)."""
 
     def __post_init__(self):
         if self.transformers.checkpoint is not None and self.model.checkpoint is not None:

@@ -26,7 +26,7 @@ TINY_KV_TASK = [
     "task.n_values=8",
     "task.n_filler_tokens=4",
     "task.filler_len=14",
-    "context.chunk_len=8",
+    "context.tokens_per_step=8",
     "inner.steps=2",
 ]
 """maml_longctx's key-value task at toy size (a 27-token context read in 2 inner steps)."""

@@ -29,7 +29,8 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from ttt.config import ConfigError, RecipeConfig, available_recipes, load_config, to_dict, to_yaml
+from recipes import available_recipes, load_config
+from ttt.config import ConfigError, RecipeConfig, to_dict, to_yaml
 from ttt.config.keys import format_config_keys
 from ttt.config.loading import recipe_header
 from ttt.meta.sharding import SecondOrderFSDPStrategy

@@ -1,7 +1,8 @@
-"""Typed configs shared by every recipe, and loading a recipe's YAML with command-line overrides."""
+"""Typed configs shared by every recipe, and loading a recipe's YAML with command-line overrides (the
+recipes themselves are the app's: `recipes.load_config`)."""
 
 from .choice import Choice
-from .loading import ConfigError, available_recipes, load_config, to_dict, to_yaml
+from .loading import ConfigError, RecipeBook, load_config, to_dict, to_yaml
 from .schema import OuterOptimConfig, RecipeConfig, RunConfig, TrainerConfig
 
 __all__ = [
@@ -10,8 +11,8 @@ __all__ = [
     "OuterOptimConfig",
     "RecipeConfig",
     "RunConfig",
+    "RecipeBook",
     "TrainerConfig",
-    "available_recipes",
     "load_config",
     "to_dict",
     "to_yaml",

@@ -1,10 +1,12 @@
-"""Load a recipe: its YAML under configs/, then command-line overrides, checked against the typed schema.
+"""Load a recipe: its YAML, then command-line overrides, checked against the typed schema.
 
-    cfg = load_config(["recipe=maml_longctx", "trainer.max_steps=50"])
+    cfg = load_config(["recipe=maml_longctx", "trainer.max_steps=50"], book=recipes.BOOK)
 
-A recipe YAML states what differs from its builder's defaults (the `Config` dataclass under recipes/),
-or, with a top-level `base: OTHER_RECIPE`, what differs from that recipe's YAML (itself resolved the
-same way; the builder is inherited): e.g. configs/maml_longctx_16k.yaml extends maml_longctx.
+The recipes themselves (configs/*.yaml and the builders under recipes/) are the app's: `recipes.BOOK`
+says where they are, and `recipes.load_config(overrides)` is this with that book. A recipe YAML states
+what differs from its builder's defaults (the `Config` dataclass under recipes/), or, with a top-level
+`base: OTHER_RECIPE`, what differs from that recipe's YAML (itself resolved the same way; the builder is
+inherited): e.g. configs/maml_longctx_16k.yaml extends maml_longctx.
 
 Every key is checked before merging: an unknown or mistyped key raises ConfigError listing the
 valid keys at that level and the closest matches (difflib); a value of a `Choice` field (or of a list
@@ -16,6 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -32,18 +37,14 @@ class ConfigError(ValueError):
     """A bad recipe name, key or value; the message says what exists or what is expected."""
 
 
-def available_recipes() -> dict[str, Path]:
-    """Recipe name -> its YAML file, for every configs/**/*.yaml (configs/pretrained/x.yaml is named
-    pretrained/x)."""
-    import configs
+@dataclass(frozen=True)
+class RecipeBook:
+    """Where recipes come from (the app's: `recipes.BOOK`, over configs/ and recipes/): `yamls()`, recipe
+    name -> its YAML file; `schema(builder)`, the `RecipeConfig` subclass of a builder name (ValueError
+    naming the builders when there is none)."""
 
-    # __path__ rather than importlib.resources: it also works when configs resolves as a namespace package.
-    folders = [Path(entry) for entry in configs.__path__ if Path(entry).is_dir()]
-    return {
-        path.relative_to(folder).with_suffix("").as_posix(): path
-        for folder in folders
-        for path in sorted(folder.rglob("*.yaml"))
-    }
+    yamls: Callable[[], dict[str, Path]]
+    schema: Callable[[str], type[RecipeConfig]]
 
 
 def recipe_header(path: Path) -> str:
@@ -127,11 +128,9 @@ def _check_keys(given: Any, schema: Any, where: str, prefix: str = "") -> None:
         _check_keys(given._get_node(key), schema._get_node(key), where, f"{full}.")
 
 
-def _recipe_schema(builder: str, yaml_path: Path) -> type[RecipeConfig]:
-    from recipes import load_builder
-
+def _recipe_schema(book: RecipeBook, builder: str, yaml_path: Path) -> type[RecipeConfig]:
     try:
-        return load_builder(builder).Config
+        return book.schema(builder)
     except ValueError as err:
         raise ConfigError(f"{yaml_path}: {err}") from err
 
@@ -147,12 +146,34 @@ def parse_overrides(overrides: list[str]) -> DictConfig:
         raise ConfigError(f"could not parse the overrides {overrides}: {err}") from err
 
 
+RENAMED_KEYS = {"context.chunk_len": "context.tokens_per_step"}
+"""Old config key -> its new name: still read (saved run configs, YAML, the command line) with a warning,
+for one release."""
+
+
+def _rename_old_keys(given: DictConfig, where: str) -> None:
+    """Move the value of each old key of RENAMED_KEYS in `given` to its new key, with a warning; a
+    ConfigError when both are given."""
+    for old, new in RENAMED_KEYS.items():
+        section, leaf = old.rsplit(".", 1)
+        node = OmegaConf.select(given, section) if isinstance(given, DictConfig) else None
+        if not isinstance(node, DictConfig) or leaf not in node:
+            continue
+        if OmegaConf.select(given, new) is not None:
+            raise ConfigError(f"{old} is the old name of {new}; give only {new} ({where})")
+        warnings.warn(f"config key {old} is now {new} ({where}); the old name goes in the next release",
+                      FutureWarning, stacklevel=3)  # fmt: skip
+        value = node.pop(leaf)
+        OmegaConf.update(given, new, value, force_add=True)
+
+
 def load_structured(schema_class: type, layers: list[tuple[DictConfig, str]]) -> Any:
     """An instance of the dataclass `schema_class` from its defaults and `layers` merged in order, each
     a (DictConfig, where it came from) pair. Every layer's keys and choices are checked first; any bad
     key, type or value (including a ValueError of __post_init__) is a ConfigError naming it."""
     schema = OmegaConf.structured(schema_class)
     for given, where in layers:
+        _rename_old_keys(given, where)
         _check_keys(given, schema, where)
     try:
         return OmegaConf.to_object(OmegaConf.merge(schema, *(given for given, _ in layers)))
@@ -162,14 +183,15 @@ def load_structured(schema_class: type, layers: list[tuple[DictConfig, str]]) ->
         raise ConfigError(str(err)) from err
 
 
-def load_config(overrides: list[str], *, base: DictConfig | None = None) -> RecipeConfig:
-    """The validated config object of recipe=NAME (from `overrides`) with the other overrides applied.
+def load_config(overrides: list[str], *, book: RecipeBook, base: DictConfig | None = None) -> RecipeConfig:
+    """The validated config object of recipe=NAME (from `overrides`, a recipe of `book`) with the other
+    overrides applied (the app's `recipes.load_config` passes its book).
 
     overrides: "key=value" strings (OmegaConf dotlist); one of them must be recipe=NAME unless
     `base` (e.g. the saved config of a run being resumed) is given.
     """
     cli = parse_overrides(overrides)
-    recipes = available_recipes()
+    recipes = book.yamls()
     if base is None:
         name = cli.get("recipe")
         if name is None:
@@ -185,7 +207,7 @@ def load_config(overrides: list[str], *, base: DictConfig | None = None) -> Reci
     else:
         source = "saved run config"
     builder = base.get("builder")
-    schema_class = _recipe_schema(builder, Path(source))
+    schema_class = _recipe_schema(book, builder, Path(source))
     if cli.get("builder", builder) != builder:
         raise ConfigError(f"builder cannot be overridden (the recipe uses {builder!r})")
     cfg = load_structured(schema_class, [(base, source), (cli, "command line")])

@@ -6,7 +6,7 @@ For each point (backend, N, k, first/second order, inner-step checkpointing) it 
 of a workload (`workloads`: the maml_longctx transformer with adapted MLPs, or TTT-E2E; or, with
 workload=hvp, one Hessian-vector product of a transformer's loss and the gradient it is compared with)
 through `meta_step_probe` and records peak memory, bytes saved for backward, the back-of-envelope
-predictions of both (`memory_model`), wall time, and whether it ran out of memory. The first point of
+predictions of both (`gpu_memory_model`), wall time, and whether it ran out of memory. The first point of
 each (backend, order) pair also runs a warm-up step (compilation), timed apart. A failed point is
 recorded (oom / error) and the larger points of its series (same backend, order and checkpointing, N and
 k at least as large) are skipped; no point starts after `max_minutes`; results.csv is rewritten after
@@ -32,13 +32,13 @@ from flashbob.environment import describe
 from ttt.config.choice import Choice
 from ttt.config.loading import ConfigError, load_structured, parse_overrides
 from ttt.inner import select_parameters
+from ttt.layers import TTTConfig
 from ttt.models import Transformer, TransformerConfig
 from ttt.models.attention import AttentionBackend
 from ttt.tracking.atomic import atomic_write_text
-from ttt.ttt_layers import TTTConfig
 
 from . import grad_memory_report as report
-from .memory_model import ModelDims, predicted_bytes, predicted_peak_bytes
+from .gpu_memory_model import ModelDims, predicted_bytes, predicted_peak_bytes
 from .meta_step_probe import GIB, measure
 from .workloads import DEFAULT_ADAPTED, Order, Point, ProbeSetup, Workload
 
@@ -108,7 +108,8 @@ class GradMemoryConfig:
     fast-weight MLPs in the last suffix_len blocks, k inner steps per chunk of chunk_len tokens) or hvp
     (one Hessian-vector product of the next-token loss over every parameter, and the gradient it is
     compared with: only n_sweep.ns is used, each N as order first = gradient and second = HVP) or
-    neural_memory (ttt.memory, memory as context, in the last suffix_len blocks, written once per chunk
+    neural_memory (ttt.layers.neural_memory, memory as context, in the last suffix_len blocks, written once
+    per chunk
     of chunk_len tokens; k is the memory MLP's depth)."""
     window: int | None = None
     """Sliding attention window; null: full causal attention (what the memory model assumes)."""
@@ -248,7 +249,7 @@ def executed_backend(backend: str, device: torch.device) -> str:
 
 def predictor(setup: ProbeSetup):
     """point -> {"predicted_gib": saved graphs, "predicted_peak_gib": plus the transients} from
-    `memory_model` for the sweep's model (built on the meta device: no memory); None values where the
+    `gpu_memory_model` for the sweep's model (built on the meta device: no memory); None values where the
     model does not apply (ttt_e2e, a sliding window)."""
     if setup.workload != Workload.maml or setup.model.window is not None:
         return lambda point: {"predicted_gib": None, "predicted_peak_gib": None}

@@ -24,7 +24,7 @@ from contextlib import nullcontext
 import torch
 from torch import nn
 
-from .memory_meters import LiveTensorMeter, SavedTensorMeter
+from .gpu_memory_meters import LiveTensorMeter, SavedTensorMeter
 from .workloads import Point, ProbeSetup, build
 
 GIB = 2**30
@@ -92,7 +92,7 @@ def measure(
     """Run and measure one meta step at `point`; with `warmup`, a first step (compilation included) is
     timed alone before it. builder(setup, point) -> (model, step) makes the workload (default:
     `workloads.build`; any setup with a `device` works with another builder, e.g.
-    benchmarks/transformers_meta_step.py).
+    ttt/experiments/transformers_meta_step.py).
 
     Returns {"status": ok | oom | error, "error": message or "", "seconds", "first_call_s",
     "peak_gib", "saved_gib", "params_gib"}; after a failure the measured values are None.

@@ -32,7 +32,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from ttt.config import load_config
+from recipes import load_config
 from ttt.meta.sharding import SecondOrderFSDPStrategy
 from ttt.models import TransformerConfig
 from ttt.tracking import OuterStepTimer

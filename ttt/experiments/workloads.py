@@ -12,7 +12,8 @@ Either way the step ends with the outer backward into every parameter.
               reverse over reverse, along a Rademacher vector), order "first" the plain gradient it is
               measured against (one forward and one backward, `torch.autograd.grad`). k and
               checkpointing do not apply.
-    neural_memory  a `NeuralMemoryTransformer` (ttt.memory, memory as context): its last suffix_len
+    neural_memory  a `NeuralMemoryTransformer` (ttt.layers.neural_memory, memory as context): its last
+                   suffix_len
               blocks read the sequence in chunks of chunk_len tokens, each read of the memory followed
               by one gated-momentum write (second order through the attention unless order "first");
               k is the memory MLP's depth (a memory writes once per chunk: there are no k inner steps);
@@ -32,9 +33,9 @@ from torch import nn
 
 from ttt.config.choice import Choice
 from ttt.inner import InnerLoop, InnerLoopConfig, functional_forward, meta_step, select_parameters
+from ttt.layers import TTTConfig, TTTTransformer
 from ttt.models import Transformer, TransformerConfig, next_token_losses
 from ttt.second_order.hvp import hvp, rademacher_like
-from ttt.ttt_layers import TTTConfig, TTTTransformer
 
 
 class Workload(Choice):
@@ -189,7 +190,7 @@ def build(setup: ProbeSetup, point: Point) -> tuple[nn.Module, Callable[[], None
         model = base.to(device=setup.device, dtype=setup.dtype)
         return model, derivative_step(model, task, point, setup)
     if setup.workload == "neural_memory":
-        from ttt.memory.workload import memory_meta_step
+        from ttt.experiments.neural_memory_workload import memory_meta_step
 
         return memory_meta_step(
             setup.model,

@@ -16,8 +16,9 @@ values; tensors among the args become inputs of one autograd node, tensors among
 outputs. fn may also use tensors it reaches by itself (a module's parameters): those that need a
 gradient must be listed in `params`, and the backward returns their gradients into the graph (fn
 must use these very tensors, e.g. a module's live parameters). fn must compute the same values when
-run again (no randomness). The backward reruns fn under the autocast state of the forward, with
-`linear_cross_entropy`'s recorded forwards handed back (`recompute_contexts`), and differentiates it
+run again (no randomness). The backward reruns fn under the autocast state of the forward, with the
+recorded forwards of every op registered by `register_replay` handed back (`linear_cross_entropy`
+registers itself: its forward is the costly part of a chunk), and differentiates it
 with `torch.autograd.grad` (so `torch.autograd.grad` and `.backward()` both work on the result; under
 create_graph the gradients are differentiable once more).
 """
@@ -31,7 +32,43 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ttt.models.linear_cross_entropy import recompute_contexts
+ReplayContexts = Callable[[], tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]]
+"""factory() -> (record, replay) context managers for one recomputed region: inside `record` (the
+forward) an op records its outputs, inside `replay` (the recomputation) it hands them back in the same
+order instead of computing them again."""
+
+_REPLAYS: list[ReplayContexts] = []
+
+
+def register_replay(factory: ReplayContexts) -> ReplayContexts:
+    """Register an op whose forwards a recomputed region replays instead of recomputing (the same values:
+    the op must return, in replay, what it recorded). Returns factory (usable as a decorator)."""
+    if factory not in _REPLAYS:
+        _REPLAYS.append(factory)
+    return factory
+
+
+def _replay_contexts() -> tuple[_Together, _Together]:
+    """One (record, replay) pair over every registered op's contexts."""
+    pairs = [factory() for factory in _REPLAYS]
+    return _Together([pair[0] for pair in pairs]), _Together([pair[1] for pair in pairs])
+
+
+class _Together(contextlib.AbstractContextManager):
+    """Context managers entered in order and left in reverse order, as one (re-entrant when each is)."""
+
+    def __init__(self, contexts: list[contextlib.AbstractContextManager]):
+        self.contexts = contexts
+
+    def __enter__(self):
+        for context in self.contexts:
+            context.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        for context in reversed(self.contexts):
+            context.__exit__(*exc)
+        return False
 
 
 def recomputed(fn: Callable[..., Any], *args: Any, params: Sequence[torch.Tensor]) -> Any:
@@ -104,7 +141,7 @@ class _Recomputed(torch.autograd.Function):
     def forward(ctx, region: _Region, *tensors):
         inputs = tensors[: region.inputs]
         ctx.region, ctx.autocast = region, _autocast_state()
-        ctx.record, ctx.replay = recompute_contexts()
+        ctx.record, ctx.replay = _replay_contexts()
         ctx.save_for_backward(*inputs)
         ctx.params = tensors[region.inputs :]  # live leaves, held by their module anyway: no copy to save
         ctx.set_materialize_grads(False)  # an output nothing used (the last chunk's carry) costs nothing

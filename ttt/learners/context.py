@@ -17,7 +17,7 @@ need not predict it; the prequential form scores every chunk before the weights 
 what the initial weights can predict (a repeating filler) is learned by them, and chunks without
 new information leave the adapted weights alone.
 
-Not a `ttt.reading.ChunkedReader`: the inner steps are a MAML task's (`meta_step`), cycling over the
+Not a `ttt.layers.ChunkedReader`: the inner steps are a MAML task's (`meta_step`), cycling over the
 context's chunks with no carried cache, and the outer loss reads the whole sequence with the final weights.
 """
 
@@ -46,8 +46,9 @@ class ContextLoss(Choice):
 class ContextChunksConfig:
     """How the inner loop reads the context."""
 
-    chunk_len: int = 64
-    """Scored tokens per inner step; inner step i trains on chunk i mod (number of chunks)."""
+    tokens_per_step: int = 64
+    """Scored tokens per inner step: inner step i trains on the context's chunk i mod (number of chunks)
+    of this many positions (was context.chunk_len)."""
     left_context: int | None = None
     """Earlier tokens fed before each chunk as attention context (not scored); null: the model's window."""
     context_loss_weight: float = 0.0
@@ -57,8 +58,8 @@ class ContextChunksConfig:
     losses, each chunk scored before its own step, as TTT-E2E's meta-loss)."""
 
     def __post_init__(self):
-        if self.chunk_len < 1:
-            raise ValueError(f"context.chunk_len must be a positive int, got {self.chunk_len}")
+        if self.tokens_per_step < 1:
+            raise ValueError(f"context.tokens_per_step must be a positive int, got {self.tokens_per_step}")
         if self.left_context is not None and self.left_context < 0:
             raise ValueError(f"context.left_context must be >= 0 or null, got {self.left_context}")
         if self.context_loss_weight < 0:
@@ -83,7 +84,7 @@ class ContextLearner(MetaLearner):
         if context_len < 2:
             raise ValueError(f"context_len must be >= 2 (a token and its successor), got {context_len}")
         self.context_len = context_len
-        self.chunk_len = chunks.chunk_len
+        self.chunk_len = chunks.tokens_per_step
         self.context_loss_weight = chunks.context_loss_weight
         self.scores_inner_losses = chunks.context_loss_weight > 0 and chunks.context_loss == "prequential"
         """Whether outer_loss takes the inner losses (`ttt.inner.meta_step.TaskObjective`)."""

@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from ttt.config.schema import OuterOptimConfig
-from ttt.memory import NeuralMemoryTransformer
+from ttt.layers import TransformersTTTReader, TTTTransformer
+from ttt.layers.neural_memory import NeuralMemoryTransformer
 from ttt.meta.learner import OuterLearner
 from ttt.text.long_context import (
     MODES,
@@ -27,7 +28,6 @@ from ttt.text.long_context import (
     write_long_context_report,
 )
 from ttt.text.tokenizer import Tokenizer
-from ttt.ttt_layers import TransformersTTTReader, TTTTransformer
 
 
 class TTTLanguageLearner(OuterLearner):

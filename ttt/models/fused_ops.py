@@ -58,7 +58,7 @@ rounding compiled; the derivatives equal autograd's through those ops to roundin
 autograd rounds g w to bf16 inside the norm's backward; these do not).
 
 Saved for backward (every level recomputes xh, r and sigmoid(a) from its inputs inside its kernel),
-per row, against the plain ops (`ttt.experiments.memory_model` counts both):
+per row, against the plain ops (`ttt.experiments.gpu_memory_model` counts both):
     rms_norm     x, w             plain: x in float32 (x itself if float32), rsqrt, xh in x's dtype
     its VJP op   x, w, g          plain: g, three float32 dim-wide terms and two float32 scalars
     swiglu       gate, up         plain: gate, silu(gate), up

@@ -50,6 +50,8 @@ from __future__ import annotations
 
 import torch
 
+from ttt.inner.recompute import register_replay
+
 from .compiled import CompiledOnCuda
 
 DEFAULT_BLOCK_BYTES = 2**30
@@ -225,6 +227,7 @@ class _CacheContext:
         return False
 
 
+@register_replay
 def recompute_contexts() -> tuple[_CacheContext, _CacheContext]:
     """(record, replay) contexts for a recomputed region (`ttt.inner.recompute`; also a valid `context_fn`
     of torch.utils.checkpoint, non-reentrant): the first context records the outputs

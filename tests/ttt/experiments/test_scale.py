@@ -1,0 +1,60 @@
+"""`ttt.experiments.scale`: one JSON row per mode from the recipe's own training step, the model FLOP
+count by hand, and bad arguments named."""
+
+import json
+
+import pytest
+
+from recipes import load_config
+from ttt.experiments import scale
+from ttt.meta.sharding import SecondOrderFSDPStrategy
+from ttt.models import TransformerConfig
+
+
+def test_model_flops_count_the_matrices_the_head_and_the_visible_keys():
+    cfg = TransformerConfig(vocab_size=10, d_model=8, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=16, window=3)
+    # per layer: q 8x8, k and v 8x4 each, o 8x8 = 192; MLP 3 x 8 x 16 = 384; head 10 x 8 = 80
+    matrix = 2 * (192 + 384) + 80 + 5
+    keys = 1 + 2 + 3 + 3 + 3  # 5 positions, window 3
+    attention = 4 * 2 * 2 * 4 * keys
+    assert scale.keys_seen(5, 3) == keys and scale.keys_seen(5, None) == 15
+    assert scale.model_flops_per_sequence(cfg, 5, extra_params=5) == 3 * (2 * matrix * 5 + attention)
+
+
+def test_one_row_per_mode_from_the_recipes_training_step(tmp_path, capsys):
+    out = tmp_path / "rows.jsonl"
+    args = ["recipe=ttt_e2e", "trainer.meta_batch_size=2", "data.seq_len=64", "model.attention=eager"]
+    assert scale.main([*args, "--steps", "1", "--modes", "second,off", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [row["mode"] for row in rows] == ["second", "off"]
+    for row in rows:
+        assert row["status"] == "ok" and row["sequences"] == 2 and row["seq_len"] == 64
+        assert row["s_per_step"] > 0 and row["tokens_per_s"] > 0 and row["model_tflop"] > 0
+        assert row["peak_gib"] is None and row["mfu"] is None  # no CUDA here
+    assert rows[1]["overrides"][-1] == "ttt.enabled=false"
+
+
+def test_bad_modes_and_recipes_without_a_module_builder_are_named():
+    with pytest.raises(SystemExit):
+        scale.main(["recipe=ttt_e2e", "--modes", "second,sideways"])
+    with pytest.raises(SystemExit, match="not a text TTT recipe"):
+        scale.main(["recipe=maml_sinusoid", "--steps", "1"])
+
+
+def test_a_row_under_fsdp_with_cpu_offload_on_one_device(tmp_path):
+    """trainer.strategy=fsdp runs the step through the strategy ttt.train builds (its own process: the
+    strategy starts a process group)."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "rows.jsonl"
+    args = ["recipe=ttt_e2e", "trainer.meta_batch_size=2", "data.seq_len=64", "model.attention=eager"]
+    args += ["trainer.strategy=fsdp", "trainer.fsdp_cpu_offload=true"]
+    command = [sys.executable, "-m", "ttt.experiments.scale", *args, "--steps", "1", "--modes", "second"]
+    subprocess.run([*command, "--out", str(out)], check=True, capture_output=True, timeout=600)
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["status"] == "ok" and row["s_per_step"] > 0
+    assert "trainer.fsdp_cpu_offload=true" in row["overrides"]
+    strategy = scale.one_device_strategy(load_config(args))
+    assert isinstance(strategy, SecondOrderFSDPStrategy) and strategy.cpu_offload
+    assert scale.one_device_strategy(load_config(args[:4])) == "auto"

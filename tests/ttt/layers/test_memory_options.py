@@ -1,0 +1,314 @@
+"""The memory options of a TTT read (fused head + loss, prefix recomputation, chunk recomputation)
+each lower its peak memory and leave losses and outer gradients unchanged, alone and combined, in
+float64, second and first order; `linear_cross_entropy` against F.cross_entropy through its second
+derivative."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ttt.experiments.gpu_memory_meters import LiveTensorMeter
+from ttt.inner import InnerLoopConfig
+from ttt.layers import TTTConfig, TTTTransformer
+from ttt.models import Transformer, TransformerConfig
+from ttt.models.linear_cross_entropy import linear_cross_entropy, recompute_contexts
+
+DOUBLE = torch.float64
+
+
+@pytest.mark.parametrize("rows, vocab, dim", [(37, 63, 48), (5, 80, 7)], ids=str)
+@pytest.mark.parametrize("block_rows", [3, 1000])
+def test_linear_cross_entropy_matches_cross_entropy_to_the_second_derivative(rows, vocab, dim, block_rows):
+    gen = torch.Generator().manual_seed(rows)
+    hidden = torch.randn(rows, dim, dtype=DOUBLE, generator=gen, requires_grad=True)
+    weight = torch.randn(vocab, dim, dtype=DOUBLE, generator=gen, requires_grad=True)
+    targets = torch.randint(0, vocab, (rows,), generator=gen)
+
+    def fused(h, w):
+        return linear_cross_entropy(h, w, targets, block_bytes=4 * vocab * block_rows)
+
+    def plain(h, w):
+        return F.cross_entropy(h @ w.t(), targets, reduction="none")
+
+    torch.testing.assert_close(fused(hidden, weight), plain(hidden, weight), rtol=1e-12, atol=1e-12)
+    # the inner-step pattern: a gradient in hidden alone (the head's weight gradient is skipped),
+    # differentiated again into both
+    row_weight = torch.rand(rows, dtype=DOUBLE, generator=gen)
+    results = []
+    for loss_fn in (fused, plain):
+        loss = (loss_fn(hidden, weight) * row_weight).sum()
+        (grad_hidden,) = torch.autograd.grad(loss, hidden, create_graph=True)
+        outer = (grad_hidden.sin() * hidden).sum() + loss
+        results.append(torch.autograd.grad(outer, (hidden, weight)))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_linear_cross_entropy_passes_gradcheck_and_gradgradcheck():
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(5, 4, dtype=DOUBLE, generator=gen, requires_grad=True)
+    weight = torch.randn(7, 4, dtype=DOUBLE, generator=gen, requires_grad=True)
+    targets = torch.randint(0, 7, (5,), generator=gen)
+
+    def fused(h, w):
+        return linear_cross_entropy(h, w, targets, block_bytes=4 * 7 * 2)  # blocks of 2 rows
+
+    assert torch.autograd.gradcheck(fused, (hidden, weight))
+    assert torch.autograd.gradgradcheck(fused, (hidden, weight))
+
+
+class VocabProducts(TorchDispatchMode):
+    """Counts the matrix products with a dimension of size `vocab` run inside it."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.vocab, self.count = vocab, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func._overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
+            tensors = [tensor for tensor in (*args, out) if torch.is_tensor(tensor)]
+            self.count += any(self.vocab in tensor.shape for tensor in tensors)
+        return out
+
+
+def test_linear_cross_entropy_runs_two_vocabulary_products_forward_none_for_an_inner_step_five_after():
+    """The work of one TTT chunk's head: forward (logits and G), the inner step's gradient in hidden
+    (element-wise from G), the second-order graph's backward into hidden and weight (one block)."""
+    gen = torch.Generator().manual_seed(1)
+    hidden = torch.randn(6, 5, dtype=DOUBLE, generator=gen, requires_grad=True)
+    weight = torch.randn(11, 5, dtype=DOUBLE, generator=gen, requires_grad=True)
+    targets = torch.randint(0, 11, (6,), generator=gen)
+    counted = []
+    with VocabProducts(11) as products:
+        losses = linear_cross_entropy(hidden, weight, targets)
+        counted.append(products.count)
+        (grad_hidden,) = torch.autograd.grad(losses.mean(), hidden, create_graph=True)
+        counted.append(products.count - sum(counted))
+        torch.autograd.grad(grad_hidden.square().sum() + losses.sum(), (hidden, weight))
+        counted.append(products.count - sum(counted))
+    assert counted == [2, 0, 5]
+
+
+def test_a_recomputed_linear_cross_entropy_hands_back_its_recorded_forward():
+    """Inside a recomputed region's replay the forward runs no product over the vocabulary and gives
+    the recorded values; a replay that does not match the recording is refused."""
+    gen = torch.Generator().manual_seed(2)
+    hidden = torch.randn(6, 5, dtype=DOUBLE, generator=gen, requires_grad=True)
+    weight = torch.randn(11, 5, dtype=DOUBLE, generator=gen, requires_grad=True)
+    targets = torch.randint(0, 11, (6,), generator=gen)
+    record, replay = recompute_contexts()
+    with record:
+        recorded = linear_cross_entropy(hidden, weight, targets)
+    with replay, VocabProducts(11) as products:
+        replayed = linear_cross_entropy(hidden, weight, targets)
+        (grad,) = torch.autograd.grad(replayed.sum(), hidden)
+    assert products.count == 0
+    torch.testing.assert_close(replayed, recorded, rtol=0, atol=0)
+    torch.testing.assert_close(grad, torch.autograd.grad(recorded.sum(), hidden)[0], rtol=0, atol=0)
+    with replay, pytest.raises(RuntimeError, match="differs from the recorded one"):
+        linear_cross_entropy(hidden[:4], weight, targets[:4])
+
+
+def test_linear_cross_entropy_refuses_mismatched_inputs():
+    hidden, weight = torch.randn(2, 3, 4), torch.randn(9, 4)
+    with pytest.raises(ValueError, match="targets must have the shape"):
+        linear_cross_entropy(hidden, weight, torch.zeros(2, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="weight must be"):
+        linear_cross_entropy(hidden, torch.randn(9, 5), torch.zeros(2, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="int64"):
+        linear_cross_entropy(hidden, weight, torch.zeros(2, 3, dtype=torch.int32))
+
+
+def make_ttt(
+    *, fused_loss=False, checkpoint_prefix=False, checkpoint=False, tie=False, first_order=False,
+    vocab=37, n_layers=3, chunk_len=4, segment=None,
+):  # fmt: skip
+    torch.manual_seed(0)
+    cfg = TransformerConfig(
+        vocab_size=vocab,
+        d_model=16,
+        n_layers=n_layers,
+        n_heads=2,
+        n_kv_heads=1,
+        d_ff=24,
+        window=6,
+        attention="eager",
+        tie_embeddings=tie,
+    )
+    ttt = TTTConfig(
+        suffix_len=2,
+        chunk_len=chunk_len,
+        fused_loss=fused_loss,
+        checkpoint_prefix=checkpoint_prefix,
+        checkpoint_segment=segment,
+    )
+    inner = InnerLoopConfig(
+        params=["layers.*.ttt_mlp.*"],
+        lr=0.5,
+        grad_clip=1.0,
+        checkpoint=checkpoint,
+        first_order=first_order,
+        steps=2,
+    )
+    model = TTTTransformer(Transformer(cfg), ttt, inner)
+    with torch.no_grad():  # a non-zero extra MLP, as after meta-training
+        for block in model.suffix:
+            block.ttt_mlp.w_down.weight.normal_(std=0.3)
+    return model.to(DOUBLE)
+
+
+def losses_and_grads(model, tokens):
+    losses = model.token_losses(tokens)
+    grads = torch.autograd.grad(losses.mean(), list(model.parameters()))
+    return losses.detach(), grads
+
+
+OPTIONS = {  # each option alone, then together: (fused loss, prefix, chunk checkpoint, tied head, segment)
+    "fused_loss": (True, False, False, False, None),
+    "fused_loss_tied": (True, False, False, True, None),
+    "prefix": (False, True, False, False, None),
+    "chunks": (False, False, True, False, None),
+    "segments": (False, False, True, False, 2),
+    "all": (True, True, True, False, None),
+    "all_tied": (True, True, True, True, None),
+    "all_segments": (True, True, True, False, 4),
+}
+
+
+@pytest.mark.parametrize(
+    "fused_loss, checkpoint_prefix, checkpoint, tie, segment", OPTIONS.values(), ids=OPTIONS.keys()
+)
+def test_memory_options_leave_losses_and_second_order_gradients_unchanged(
+    fused_loss, checkpoint_prefix, checkpoint, tie, segment
+):
+    """23 tokens in chunks of 4 (the last of 3), segments of 2 and 4 chunks (the last one shorter)."""
+    tokens = torch.randint(0, 37, (2, 23), generator=torch.Generator().manual_seed(3))
+    options = dict(fused_loss=fused_loss, checkpoint_prefix=checkpoint_prefix, checkpoint=checkpoint)
+    options.update(tie=tie, segment=segment)
+    want_losses, want_grads = losses_and_grads(make_ttt(tie=tie), tokens)
+    got_losses, got_grads = losses_and_grads(make_ttt(**options), tokens)
+    torch.testing.assert_close(got_losses, want_losses, rtol=1e-12, atol=1e-12)
+    for got, want in zip(got_grads, want_grads):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    # the second-order term is in the comparison: first order gives other gradients
+    first = make_ttt(**options, first_order=True)
+    assert any(not torch.allclose(g, w) for g, w in zip(losses_and_grads(first, tokens)[1], want_grads))
+
+
+def test_memory_options_keep_first_order_gradients():
+    tokens = torch.randint(0, 37, (2, 23), generator=torch.Generator().manual_seed(4))
+    plain = make_ttt(first_order=True)
+    for segment in (None, 3):
+        model = make_ttt(
+            fused_loss=True, checkpoint_prefix=True, checkpoint=True, first_order=True, segment=segment
+        )
+        for got, want in zip(losses_and_grads(model, tokens)[1], losses_and_grads(plain, tokens)[1]):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("first_order", [False, True])
+def test_chunk_recomputation_leaves_only_the_carries_after_the_forward(first_order):
+    """What a read leaves for its backward: with chunk recomputation each chunk's inputs (fast weights,
+    caches, its slice of the prefix output), none of its activations (a graph kept alive by anything,
+    e.g. a cache of the fused loss's outputs, shows here)."""
+    tokens = torch.randint(0, 4096, (2, 96), generator=torch.Generator().manual_seed(7))
+    kept = []
+    for checkpoint in (False, True):
+        model = make_ttt(vocab=4096, chunk_len=8, fused_loss=True, checkpoint_prefix=True,
+                         checkpoint=checkpoint, first_order=first_order)  # fmt: skip
+        with LiveTensorMeter() as meter:
+            loss = model.token_losses(tokens).mean()  # its graph holds what the backward will use
+            kept.append(meter.live_bytes)
+        del loss
+    assert kept[1] < (0.6 if first_order else 0.25) * kept[0], kept  # measured about 0.5 and 0.2
+
+
+def test_a_read_without_test_time_training_recomputes_its_chunks_too():
+    """adapt=False (ttt.enabled=false, the baseline): inner.checkpoint recomputes the suffix blocks chunk
+    by chunk as plain activation checkpointing, gradients unchanged, far fewer bytes left for the backward."""
+    tokens = torch.randint(0, 37, (2, 96), generator=torch.Generator().manual_seed(8))
+    kept, grads = [], []
+    for checkpoint in (False, True):
+        model = make_ttt(chunk_len=8, checkpoint_prefix=True, checkpoint=checkpoint, segment=4)
+        with LiveTensorMeter() as meter:
+            loss = model.read(tokens, adapt=False)[1].mean()
+            kept.append(meter.live_bytes)
+        grads.append(torch.autograd.grad(loss, list(model.parameters()), allow_unused=True))
+    for got, want in zip(*grads[::-1]):
+        assert (got is None) == (want is None)
+        if got is not None:
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+    assert kept[1] < 0.5 * kept[0], kept
+
+
+def test_segments_keep_the_carry_of_every_kth_chunk_only():
+    """12 chunks: with segments of 4, what the forward leaves for the backward (the carries and inputs of
+    3 segments instead of 12 chunks) is smaller, and so is the peak of the read and its backward."""
+    tokens = torch.randint(0, 37, (2, 96), generator=torch.Generator().manual_seed(7))
+    kept, peaks = [], []
+    for segment in (None, 4):
+        model = make_ttt(n_layers=3, chunk_len=8, checkpoint=True, checkpoint_prefix=True, segment=segment)
+        with LiveTensorMeter() as meter:
+            loss = model.token_losses(tokens).mean()
+            kept.append(meter.live_bytes)
+            loss.backward()
+        peaks.append(meter.peak_bytes)
+    assert kept[1] < 0.6 * kept[0] and peaks[1] < peaks[0], (kept, peaks)
+
+
+@pytest.mark.parametrize("option", ["fused_loss", "checkpoint_prefix", "checkpoint"])
+def test_each_memory_option_lowers_the_peak_of_a_second_order_read(option):
+    """Every tensor a read and its outer backward create, while it lives (`LiveTensorMeter`): a
+    4,096-token vocabulary (the fused loss's term), 6 blocks (the prefix's) and 12 chunks (the chunks')."""
+    tokens = torch.randint(0, 4096, (2, 96), generator=torch.Generator().manual_seed(6))
+
+    def peak(**options):
+        model = make_ttt(vocab=4096, n_layers=6, chunk_len=8, **options)
+        with LiveTensorMeter() as meter:
+            model.token_losses(tokens).mean().backward()
+        return meter.peak_bytes
+
+    assert peak(**{option: True}) < peak()  # byte counts: no noise, a no-op option ties
+
+
+def test_logits_are_kept_by_the_plain_head_when_asked_for():
+    tokens = torch.randint(0, 37, (2, 11), generator=torch.Generator().manual_seed(5))
+    model = make_ttt(fused_loss=True)
+    logits, losses = model.read(tokens, keep_logits=True)
+    assert logits.shape == (2, 11, 37)
+    torch.testing.assert_close(losses, model.token_losses(tokens), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rows, vocab, dim", [(4099, 128256, 768), (37, 1000, 48)], ids=str)
+def test_linear_cross_entropy_under_bf16_autocast_is_as_close_as_plain_pytorch(rows, vocab, dim):
+    """Compiled on CUDA, bf16 products: losses, the inner gradient and the outer (second-order)
+    gradients within twice plain PyTorch's bf16 error, both against float64; outputs written (no NaN)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(rows, dim, device="cuda", generator=gen)
+    weight = torch.randn(vocab, dim, device="cuda", generator=gen) / dim**0.5
+    targets = torch.randint(0, vocab, (rows,), device="cuda", generator=gen)
+    cot = torch.randn(rows, dim, device="cuda", generator=gen)
+
+    def run(loss_fn, h, w, autocast):
+        h, w = h.clone().requires_grad_(), w.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            losses = loss_fn(h, w)
+            (grad_h,) = torch.autograd.grad(losses.sum(), h, create_graph=True)
+            outer = torch.autograd.grad((grad_h * cot).sum() + losses.mean(), (h, w))
+        return [losses.double(), grad_h.double(), *(g.double() for g in outer)]
+
+    def plain(h, w):
+        return F.cross_entropy(h @ w.t(), targets, reduction="none")
+
+    def fused(h, w):
+        return linear_cross_entropy(h, w, targets, block_bytes=2**26)  # several blocks
+
+    want = run(plain, hidden.double(), weight.double(), autocast=False)
+    for got, base, ref in zip(run(fused, hidden, weight, True), run(plain, hidden, weight, True), want):
+        assert torch.isfinite(got).all()
+        err, base_err = (got - ref).norm() / ref.norm(), (base - ref).norm() / ref.norm()
+        assert err <= 2 * base_err + 1e-6, (err.item(), base_err.item())

@@ -1,0 +1,103 @@
+"""The decoder-only transformer: shapes, parameter names, masks, options, config validation."""
+
+import pytest
+import torch
+
+from ttt.models import Transformer, TransformerConfig
+
+
+def _model(**overrides):
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=37, d_model=32, n_layers=2, n_heads=4, attention="eager")
+    cfg.update(overrides)
+    return Transformer(TransformerConfig(**cfg))
+
+
+def test_logits_shape_and_parameter_names():
+    model = _model(n_kv_heads=2)
+    logits = model(torch.randint(0, 37, (3, 11)))
+    assert logits.shape == (3, 11, 37)
+    names = dict(model.named_parameters())
+    for name in [
+        "embed.weight",
+        "layers.1.attn.wq.weight",
+        "layers.1.attn.wk.weight",
+        "layers.1.attn.wv.weight",
+        "layers.1.attn.wo.weight",
+        "layers.1.mlp.w_gate.weight",
+        "layers.1.mlp.w_up.weight",
+        "layers.1.mlp.w_down.weight",
+        "layers.1.attn_norm.weight",
+        "layers.1.mlp_norm.weight",
+        "norm.weight",
+        "lm_head.weight",
+    ]:
+        assert name in names, name
+    assert names["layers.0.attn.wk.weight"].shape == (2 * 8, 32)
+    assert not any(name.endswith("bias") for name in names)
+
+
+def test_qkv_bias_and_tied_embeddings():
+    model = _model(qkv_bias=True, tie_embeddings=True)
+    names = dict(model.named_parameters())
+    assert {"layers.0.attn.wq.bias", "layers.0.attn.wk.bias", "layers.0.attn.wv.bias"} <= set(names)
+    assert "lm_head.weight" not in names
+    tokens = torch.randint(0, 37, (1, 5))
+    torch.testing.assert_close(model(tokens), model.hidden_states(tokens) @ model.embed.weight.t())
+
+
+def test_causal_and_windowed_receptive_field():
+    model = _model(window=3)
+    tokens = torch.randint(0, 37, (1, 20))
+    changed = tokens.clone()
+    changed[0, 4] = (changed[0, 4] + 1) % 37
+    diff = (model(tokens) - model(changed)).abs().amax(-1)[0]
+    # Two layers of window 3 see 2 * (3 - 1) = 4 tokens back: positions 4..8 change, the rest do not.
+    assert torch.all(diff[:4] == 0)
+    assert torch.all(diff[4:9] > 0)
+    assert torch.all(diff[9:] == 0)
+
+
+@pytest.mark.parametrize("backend", ["flashbob", "sdpa_math"])
+def test_backends_give_the_same_logits(backend):
+    tokens = torch.randint(0, 37, (2, 9))
+    torch.testing.assert_close(_model(window=4, attention=backend)(tokens), _model(window=4)(tokens))
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (dict(n_kv_heads=3), "n_kv_heads"),
+        (dict(d_model=30), "head_dim"),
+        (dict(window=0), "window"),
+        (dict(attention="flash"), "flashbob"),
+    ],
+)
+def test_bad_config_names_the_key(overrides, key):
+    with pytest.raises(ValueError, match=key):
+        TransformerConfig(**{"vocab_size": 37, "d_model": 32, "n_heads": 4, **overrides})
+
+
+def test_bad_tokens_are_rejected():
+    with pytest.raises(ValueError, match="int64"):
+        _model()(torch.zeros(2, 3))
+
+
+def test_explicit_head_dim_and_ffn_width():
+    model = _model(head_dim=12, d_ff=40, n_kv_heads=1)
+    assert model.layers[0].attn.wq.weight.shape == (4 * 12, 32)
+    assert model.layers[0].attn.wk.weight.shape == (12, 32)
+    assert model.layers[0].mlp.w_up.weight.shape == (40, 32)
+    assert model(torch.randint(0, 37, (1, 6))).shape == (1, 6, 37)
+
+
+def test_null_sizes_resolve_in_the_model_and_follow_d_model_in_the_config():
+    from recipes import load_config
+
+    cfg = TransformerConfig(d_model=96, n_heads=4)
+    assert (cfg.n_kv_heads, cfg.head_dim, cfg.d_ff) == (None, None, None)
+    model = Transformer(cfg)
+    assert (model.cfg.n_kv_heads, model.cfg.head_dim, model.cfg.d_ff) == (4, 24, 256)
+    assert model.layers[0].mlp.w_up.weight.shape == (256, 96)
+    wider = load_config(["recipe=maml_longctx", "model.d_model=256"]).model
+    assert wider.d_ff is None and wider.resolved().d_ff == 704  # 8/3 * 256 rounded up to 32

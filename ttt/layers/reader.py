@@ -1,0 +1,208 @@
+"""`ChunkedReader`: the one engine that reads sequences chunk by chunk while a per-sequence state adapts.
+
+Reading the sequences tokens (B, N) side by side:
+
+    positions = `_positions`(tokens): what every position feeds the chunks (our transformer: its prefix
+        blocks' output, run once over the whole sequence; a transformers model: the token ids);
+    carry = each sequence's initial state (`_initial_state`: fast weights, optimizer / write state, ...);
+    caches = `_initial_caches`: what a chunk hands the next (key/value caches, left-context tokens);
+    for each chunk c of ttt.chunk_len positions:
+        logits, per-token losses, caches, carry = `_read_chunk`(carry, chunk c of positions, caches):
+        the chunk is scored and carry adapts (TTT-E2E: `score_then_step`, inner steps after scoring;
+        neural memory: writes inside the blocks);
+    returns the chunks' logits (kept on request) and losses, concatenated along the sequence.
+
+With options.outer_grad=False every chunk's outputs and carry are detached (`_detached`: the fast
+weights made fresh leaves), so that evaluation memory stays flat; with options.checkpoint each chunk is
+recomputed in the outer backward, and with ttt.checkpoint_segment = k also each run of k chunks.
+
+Subclasses: `SuffixReader` (our `Transformer`: prefix once, suffix blocks chunk by chunk) under
+`TTTTransformer` and `NeuralMemoryTransformer`, and `TransformersTTTReader` (a transformers model).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import register_pytree_node
+
+from ttt.inner.recompute import recomputed
+
+from .config import TTTConfig
+
+Carry = Any
+"""A subclass's per-sequence state between chunks (tensors each with a leading batch dim B)."""
+
+
+@dataclass(frozen=True)
+class ReadOptions:
+    """How one read runs, resolved by a subclass's `read` from its arguments and configs."""
+
+    adapt: bool
+    """The carry adapts while reading (inner steps, memory writes); False: every chunk reads the initial
+    state (the same model without test-time training)."""
+    steps: int
+    """Inner steps per chunk (fast-weight readers; 0 without adapting)."""
+    create_graph: bool
+    """Keep the graph of the adaptation (a second-order outer gradient); False: first order."""
+    lr_scale: float
+    """Factor on the inner learning rates (the warm-up)."""
+    outer_grad: bool
+    """Keep the outer graph; False detaches every chunk (evaluation: memory stays flat)."""
+    keep_logits: bool
+    """Return the logits (B, N, V); False: only the losses (the training path: no logits kept)."""
+    checkpoint: bool
+    """Recompute each chunk in the outer backward (only with outer_grad and grad mode)."""
+
+
+@dataclass
+class Chunk:
+    """Positions [start, end) of a read: inputs (B, C, ...) what they feed the reader, targets (B, T) the
+    next tokens (T = C, or C - 1 when the chunk ends the sequence: `last`), cos, sin (C, head_dim) RoPE
+    tables of their absolute positions (None for readers that need none)."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    cos: torch.Tensor | None
+    sin: torch.Tensor | None
+    last: bool
+
+    def __len__(self) -> int:
+        return self.inputs.shape[1]
+
+    def part(self, start: int, end: int) -> Chunk:
+        """Positions [start, end) of this chunk (relative to its first)."""
+
+        def rows(table):
+            return None if table is None else table[start:end]
+
+        return Chunk(self.inputs[:, start:end], self.targets[:, start:end], rows(self.cos), rows(self.sin),
+                     self.last and end == len(self))  # fmt: skip
+
+
+register_pytree_node(
+    Chunk,
+    lambda chunk: ([chunk.inputs, chunk.targets, chunk.cos, chunk.sin], chunk.last),
+    lambda children, last: Chunk(*children, last),
+)
+"""A pytree node: its tensors are what `recomputed` passes through a recomputed chunk."""
+
+
+class ChunkedReader(nn.Module):
+    """The chunk loop (module docstring) over a subclass's hooks: `_positions`, `_initial_caches`,
+    `_initial_state`, `_read_chunk`, `_detached`, and `read` (its options -> `_read`).
+    token_losses: tokens (B, N) -> next-token losses (B, N - 1); forward: tokens -> logits (B, N, V)."""
+
+    ttt_cfg: TTTConfig
+
+    def _positions(self, tokens: torch.Tensor, options: ReadOptions) -> Chunk:
+        """Hook: the whole read as one chunk: inputs (B, N, ...) of every position, targets (B, N - 1),
+        RoPE tables (N, head_dim) or None, last=True."""
+        raise NotImplementedError
+
+    def _initial_caches(self, positions: int) -> list:
+        """Hook: what the first chunk is handed (one entry per layer that carries something)."""
+        raise NotImplementedError
+
+    def _initial_state(self, batch: int, options: ReadOptions) -> Carry:
+        """Hook: each of the batch sequences' state before the first chunk."""
+        raise NotImplementedError
+
+    def _read_chunk(
+        self, carry: Carry, chunk: Chunk, caches: list, options: ReadOptions
+    ) -> tuple[torch.Tensor | None, torch.Tensor, list, Carry]:
+        """Hook: one chunk of every sequence. Returns (logits (B, C, V), or None unless
+        options.keep_logits, per-token losses (B, T) against chunk.targets, the caches for the next
+        chunk, carry after the chunk)."""
+        raise NotImplementedError
+
+    def _detached(self, carry: Carry) -> Carry:
+        """Hook: carry cut from the graph, its fast weights fresh leaves that require grad."""
+        raise NotImplementedError
+
+    def _detach_caches(self, caches: list) -> list:
+        """Hook: the caches cut from the graph (default: they hold no graph)."""
+        return caches
+
+    def _read(self, tokens: torch.Tensor, options: ReadOptions) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The chunked reading of tokens (B, N) (module docstring). Returns (logits (B, N, V), or None
+        unless options.keep_logits, next-token losses (B, N - 1))."""
+        check_tokens(tokens)
+        whole = self._positions(tokens, options)
+        carry = self._initial_state(tokens.shape[0], options)
+        if not options.outer_grad:
+            carry = self._detached(carry)
+        caches = self._initial_caches(tokens.shape[1])
+        recompute = options.checkpoint and options.outer_grad and torch.is_grad_enabled()
+        options = replace(options, checkpoint=recompute)
+        n = len(whole)
+        span = (self.ttt_cfg.chunk_len * (self.ttt_cfg.checkpoint_segment or 0) if recompute else 0) or n
+        all_logits, all_losses = [], []
+        for start in range(0, n, span):
+            part = whole.part(start, min(start + span, n))
+            if span < n:
+                logits, losses, caches, carry = recomputed(
+                    self._read_span, carry, caches, part, options, params=self._trainable()
+                )
+            else:
+                logits, losses, caches, carry = self._read_span(carry, caches, part, options)
+            all_logits.append(logits)
+            all_losses.append(losses)
+        return (torch.cat(all_logits, dim=1) if options.keep_logits else None), torch.cat(all_losses, dim=1)
+
+    def _trainable(self) -> list[torch.Tensor]:
+        """The parameters that need gradients (those a recomputed chunk hands gradients back to)."""
+        return [p for p in self.parameters() if p.requires_grad]
+
+    def _read_span(
+        self, carry: Carry, caches: list, span: Chunk, options: ReadOptions
+    ) -> tuple[torch.Tensor | None, torch.Tensor, list, Carry]:
+        """The chunks of a span of positions, from its carry and caches. Each chunk is `recomputed` in the
+        outer backward with options.checkpoint, and cut from the graph without options.outer_grad.
+        Returns (logits (B, S, V) or None, losses (B, S or S - 1), caches, carry)."""
+        chunk_len = self.ttt_cfg.chunk_len
+        params = self._trainable() if options.checkpoint else []
+        all_logits, all_losses = [], []
+        for start in range(0, len(span), chunk_len):
+            chunk = span.part(start, min(start + chunk_len, len(span)))
+            if params:
+                logits, losses, caches, carry = recomputed(
+                    self._read_chunk, carry, chunk, caches, options, params=params
+                )
+            else:
+                logits, losses, caches, carry = self._read_chunk(carry, chunk, caches, options)
+            if not options.outer_grad:
+                logits, losses = (None if logits is None else logits.detach()), losses.detach()
+                caches, carry = self._detach_caches(caches), self._detached(carry)
+            all_logits.append(logits)
+            all_losses.append(losses)
+        logits = torch.cat(all_logits, dim=1) if options.keep_logits else None
+        return logits, torch.cat(all_losses, dim=1), caches, carry
+
+    def read(self, tokens: torch.Tensor, **options) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Hook: read tokens (B, N) with the subclass's options (resolved into a `ReadOptions`, then
+        `_read`). Returns (logits (B, N, V) or None unless keep_logits, next-token losses (B, N - 1))."""
+        raise NotImplementedError
+
+    def token_losses(self, tokens: torch.Tensor, **options) -> torch.Tensor:
+        """Next-token losses of every position, tokens (B, N) int64 -> (B, N - 1) float32; options as
+        in `read`. Its mean is the meta-training objective."""
+        check_tokens(tokens)
+        return self.read(tokens, **options)[1]
+
+    def forward(self, tokens: torch.Tensor, **options) -> torch.Tensor:
+        """tokens (B, N) int64 -> logits (B, N, vocab_size), reading while adapting (options as in
+        `read`)."""
+        check_tokens(tokens)
+        return self.read(tokens, keep_logits=True, **options)[0]
+
+
+def check_tokens(tokens: torch.Tensor) -> None:
+    """ValueError unless tokens is a (batch, seq) int64 tensor with seq >= 1."""
+    if tokens.dim() != 2 or tokens.dtype != torch.long or tokens.shape[1] < 1:
+        raise ValueError(
+            f"tokens must be a (batch, seq) int64 tensor, got {tuple(tokens.shape)} {tokens.dtype}"
+        )

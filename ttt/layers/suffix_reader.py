@@ -1,0 +1,95 @@
+"""`SuffixReader`: a `Transformer` whose last ttt.suffix_len blocks (the suffix) are read chunk by chunk
+by the `ChunkedReader` engine, the blocks before them (the prefix) once over the whole sequence.
+
+    prefix blocks (plain) run once over the whole sequence (sliding-window attention, absolute positions);
+    for each chunk: the suffix blocks read it with the carry and each layer's key/value cache (the
+        window - 1 most recent positions, carried across chunks; from `SuffixBlock.initial_cache`, which
+        gives a block with shares_prefix under full causal attention one `PrefixCache` for the whole
+        read), and the head scores its next tokens (`_score`).
+
+ttt.checkpoint_prefix recomputes each prefix block in the outer backward (only its input is saved).
+Subclasses: `TTTTransformer` (fast-weight MLPs), `NeuralMemoryTransformer` (memory blocks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from ttt.inner import maybe_checkpoint
+from ttt.models.linear_cross_entropy import linear_cross_entropy
+from ttt.models.transformer import Block, Transformer, next_token_losses, rope_cos_sin
+
+from .config import TTTConfig
+from .reader import Chunk, ChunkedReader, ReadOptions
+from .suffix_block import detach_cache
+
+
+class SuffixReader(ChunkedReader):
+    """A `Transformer` (its modules taken over) whose last ttt.suffix_len blocks, built from the base's by
+    suffix_block, read chunk by chunk (module docstring). needs: the start of the error message for a base
+    that is not a `Transformer`. Subclasses give `read`, `_initial_state`, `_read_chunk`, `_detached`."""
+
+    def __init__(
+        self, base: Transformer, ttt: TTTConfig, suffix_block: Callable[[Block], nn.Module], *, needs: str
+    ):
+        super().__init__()
+        if not isinstance(base, Transformer):
+            raise TypeError(f"{needs}, got {type(base).__name__}")
+        cfg = base.cfg
+        if ttt.suffix_len > cfg.n_layers:
+            raise ValueError(f"ttt.suffix_len ({ttt.suffix_len}) must be <= model.n_layers ({cfg.n_layers})")
+        self.cfg, self.ttt_cfg = cfg, ttt
+        self.first_suffix = cfg.n_layers - ttt.suffix_len
+        self.embed, self.norm, self.lm_head = base.embed, base.norm, base.lm_head
+        self.layers = nn.ModuleList(
+            [*base.layers[: self.first_suffix], *map(suffix_block, base.layers[self.first_suffix :])]
+        )
+
+    @property
+    def suffix(self) -> list[nn.Module]:
+        """The blocks read chunk by chunk."""
+        return list(self.layers[self.first_suffix :])
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm and output head: (..., d_model) -> logits (..., vocab_size)."""
+        h = self.norm(hidden)
+        return h @ self.embed.weight.t() if self.lm_head is None else self.lm_head(h)
+
+    def _score(
+        self, x: torch.Tensor, targets: torch.Tensor, keep_logits: bool
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The suffix's output on a chunk x (B, C, d_model) -> (logits (B, C, V), or None unless
+        keep_logits, next-token losses (B, T) of its first T = targets.shape[1] positions against
+        targets (B, T), in at least float32). Without keep_logits and with ttt.fused_loss the head and
+        the loss are one `linear_cross_entropy` (no (B, C, V) logits kept, same values and derivatives)."""
+        if keep_logits or not self.ttt_cfg.fused_loss:
+            logits = self.head(x)
+            return (logits if keep_logits else None), next_token_losses(logits, targets)
+        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return None, linear_cross_entropy(self.norm(x[:, : targets.shape[1]]), weight, targets)
+
+    def _positions(self, tokens: torch.Tensor, options: ReadOptions) -> Chunk:
+        """The prefix blocks' output (B, N, d_model) of every position and the RoPE tables (N, head_dim)
+        of the absolute positions, as one chunk; the prefix keeps its graph only for an outer gradient."""
+        n = tokens.shape[1]
+        cfg = self.cfg
+        cos, sin = rope_cos_sin(n, cfg.head_dim, cfg.rope_theta, tokens.device, cfg.rope_scaling)
+        grad = options.outer_grad and torch.is_grad_enabled()
+        with torch.set_grad_enabled(grad):
+            hidden = self.embed(tokens)
+            for block in self.layers[: self.first_suffix]:
+                hidden = maybe_checkpoint(
+                    block, hidden, cos, sin, enabled=grad and self.ttt_cfg.checkpoint_prefix
+                )
+        return Chunk(hidden, tokens[:, 1:], cos, sin, last=True)
+
+    def _initial_caches(self, positions: int) -> list:
+        """Each suffix block's cache before the first chunk of a read of `positions` positions."""
+        return [block.initial_cache(positions) for block in self.suffix]
+
+    def _detach_caches(self, caches: list) -> list:
+        """The key/value caches cut from the graph."""
+        return [detach_cache(cache) for cache in caches]
