@@ -43,7 +43,7 @@ COLS_TILES = {
 """(head dim, causal) -> the columns pass's tiles: BLOCK_M queries per step, BLOCK_N keys per
 warpgroup, STAGES query tiles (with their row vectors) in flight; with the `WARP_SPECIALIZED`
 settings the warp-specialized kernel (CONSUMERS * BLOCK_N keys a program), else one warpgroup a
-program. The fastest of H200 sweeps (docs/kernel_notes.md, 2026-12-04): the warp-specialized kernel
+program. The fastest of H200 sweeps (docs/notes/kernel_notes.md, 2026-12-04): the warp-specialized kernel
 is faster at head dim 64 under a full mask only, and neither Gluon form beats the portable pass at
 head dim 128 (`FASTER`). Compiled for sm_90: head dim 64 causal 255 registers and 9 spill stores,
 full (warp-specialized, 240 registers a consumer) 24; 128 none."""
@@ -57,7 +57,7 @@ keys per step, STAGES key tiles in flight. The first launch is the warp-speciali
 consumer warpgroups of BLOCK_M queries share each key tile). It writes every output where its
 three (BLOCK_M, D) float32 accumulators fit the registers (head dim 64); at head dim 128 it leaves
 sum[P K] to a second, forward-like kernel, Q̄ passing between them in a float32 (B, Hq, N, D) buffer
-(11 products per tile, against 10 in one launch). The fastest of H200 sweeps (docs/kernel_notes.md,
+(11 products per tile, against 10 in one launch). The fastest of H200 sweeps (docs/notes/kernel_notes.md,
 2026-12-04). Compiled for sm_90 (240 registers a consumer): head dim 64 no spills; 128 18 (causal)
 or 19 (full) spill stores, then 127 registers."""
 VECTOR_ROWS = 32
@@ -69,7 +69,7 @@ TMA_DTYPES = {**GL_DTYPES, torch.float32: gl.float32}
 
 FASTER = {"cols": {(64, True), (64, False)}, "rows": {(64, True), (64, False), (128, True), (128, False)}}
 """Pass -> the (head dim, causal) where its Hopper kernel measured faster than the portable one on an
-H200 (BoB call at 16K, bf16, same run; docs/kernel_notes.md): the default takes it there only."""
+H200 (BoB call at 16K, bf16, same run; docs/notes/kernel_notes.md): the default takes it there only."""
 
 
 def mode() -> str:
