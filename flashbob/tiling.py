@@ -144,7 +144,8 @@ def _cuda_default(kernel: str, bd: int, itemsize: int, precision: str = "ieee") 
         return (64, 64, 4, 2)
     # bob_cols at head dim 128, 16-bit inputs: 128 keys per program over two warpgroups (their warps
     # split keys, which need no cross-warp row sums), faster on an H200 than 64 keys over one, with
-    # three query tiles in flight (201 KiB; docs/notes/kernel_notes.md, "the columns pass regrouped").
+    # three query tiles in flight (docs/notes/kernel_notes.md, "the columns pass regrouped"; its shared
+    # memory under "Calibration counts").
     # Float32 operands would not fit it: they keep the one-warpgroup tile.
     return (32, 128, 8, 3) if itemsize == 2 else (32, 64, 4, 2)
 
@@ -152,9 +153,9 @@ def _cuda_default(kernel: str, bd: int, itemsize: int, precision: str = "ieee") 
 REGISTER_CAP_FP32 = 255
 """`maxnreg` of every float32 launch on CUDA with float32-accurate products (tf32x3, ieee): the most
 registers ptxas may give a thread. Without it, ptxas (Triton 3.6, sm_90) gives the launches whose
-products are not wgmma (mma.sync tiles, FMA) 32 registers and kilobytes of stack per thread; with
-it, 255 registers and a third of the stack or less (docs/notes/kernel_notes.md). Plain tf32 compiles alike
-with and without it, so it is left to ptxas there."""
+products are not wgmma (mma.sync tiles, FMA) few registers and spills the rest to the stack; with it,
+they take up to 255 and spill far less (the counts: docs/notes/kernel_notes.md, "Calibration counts").
+Plain tf32 compiles alike with and without it, so it is left to ptxas there."""
 
 
 def split_bob_rows(head_dim: int) -> bool:
