@@ -16,8 +16,8 @@ Columns kernel, one program per key block (no atomics, deterministic), with c an
 in the transposed (key, query) orientation so that every tile is already the left operand it feeds:
     K̄ = s*sum[G_S^T Q + dS^T U_Q],   V̄ = sum[G_dP^T dO],
     G_S = P*(W + G*(dP - delta) - c*dP - e),   G_dP = P*(G - c),
-with G_S formed as P*(W - e - c*delta) + (G - c)*dS, which keeps fewer (key, query) tiles live (at
-head dim 128 on sm_90: no spilled registers, against 12 for the form above).
+with G_S formed as P*(W - e - c*delta) + (G - c)*dS, which keeps fewer (key, query) tiles live, so
+fewer registers spill (the sm_90 counts: docs/notes/kernel_notes.md, "Calibration counts").
 Absent cotangents are compile-time flags (HAS_G = HAS_UQ or HAS_UK): their products are never issued.
 The float32 row vectors Lse, Delta, C, E hold one value per (batch, head, query), (batch, head) rows
 svec apart; rows N to svec hold values that add nothing (lse +inf, the others 0), and the rows

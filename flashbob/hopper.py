@@ -43,10 +43,10 @@ COLS_TILES = {
 """(head dim, causal) -> the columns pass's tiles: BLOCK_M queries per step, BLOCK_N keys per
 warpgroup, STAGES query tiles (with their row vectors) in flight; with the `WARP_SPECIALIZED`
 settings the warp-specialized kernel (CONSUMERS * BLOCK_N keys a program), else one warpgroup a
-program. The fastest of H200 sweeps (docs/kernel_notes.md, 2026-12-04): the warp-specialized kernel
+program. The fastest of H200 sweeps (docs/notes/kernel_notes.md, 2026-12-04): the warp-specialized kernel
 is faster at head dim 64 under a full mask only, and neither Gluon form beats the portable pass at
-head dim 128 (`FASTER`). Compiled for sm_90: head dim 64 causal 255 registers and 9 spill stores,
-full (warp-specialized, 240 registers a consumer) 24; 128 none."""
+head dim 128 (`FASTER`). Their register and spill counts on sm_90: docs/notes/kernel_notes.md,
+"Calibration counts"."""
 ROWS_LAUNCHES = {
     64: (dict(BLOCK_M=64, BLOCK_N=32, STAGES=3, **WARP_SPECIALIZED),),
     128: (dict(BLOCK_M=64, BLOCK_N=32, STAGES=2, **WARP_SPECIALIZED),
@@ -57,9 +57,8 @@ keys per step, STAGES key tiles in flight. The first launch is the warp-speciali
 consumer warpgroups of BLOCK_M queries share each key tile). It writes every output where its
 three (BLOCK_M, D) float32 accumulators fit the registers (head dim 64); at head dim 128 it leaves
 sum[P K] to a second, forward-like kernel, Q̄ passing between them in a float32 (B, Hq, N, D) buffer
-(11 products per tile, against 10 in one launch). The fastest of H200 sweeps (docs/kernel_notes.md,
-2026-12-04). Compiled for sm_90 (240 registers a consumer): head dim 64 no spills; 128 18 (causal)
-or 19 (full) spill stores, then 127 registers."""
+(11 products per tile, against 10 in one launch). The fastest of H200 sweeps (docs/notes/kernel_notes.md,
+2026-12-04; their register and spill counts on sm_90 there, "Calibration counts")."""
 VECTOR_ROWS = 32
 """The fewest rows of a float32 row vector that one TMA box moves: 128 bytes, as a box's shared-memory
 destination must start 128-byte aligned (the ring slots of the columns pass lie back to back)."""
@@ -69,7 +68,7 @@ TMA_DTYPES = {**GL_DTYPES, torch.float32: gl.float32}
 
 FASTER = {"cols": {(64, True), (64, False)}, "rows": {(64, True), (64, False), (128, True), (128, False)}}
 """Pass -> the (head dim, causal) where its Hopper kernel measured faster than the portable one on an
-H200 (BoB call at 16K, bf16, same run; docs/kernel_notes.md): the default takes it there only."""
+H200 (BoB call at 16K, bf16, same run; docs/notes/kernel_notes.md): the default takes it there only."""
 
 
 def mode() -> str:

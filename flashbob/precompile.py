@@ -4,7 +4,7 @@ Without it, a family's first second-order call (forward, first backward, BoB) co
 one after another, each at its first launch: the forward; delta, dK/dV and dQ; the BoB's rows
 launches and its columns kernel (tens of seconds in float32). Triton's MLIR and LLVM passes release
 the GIL and ptxas runs as a subprocess, so these compiles overlap on threads, and the first call
-costs about its slowest kernel (docs/kernel_notes.md, "Compiling a family side by side").
+costs about its slowest kernel (docs/notes/kernel_notes.md, "Compiling a family side by side").
 
 `second_order`, called by the forward of `flashbob.autograd.AttentionFunction` when q, k or v
 requires grad, runs the three launchers once under `triton_ops.compiling_only` inside Triton's

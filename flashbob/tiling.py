@@ -118,13 +118,13 @@ TF32X3_HEAD_DIM_128 = {
 memory, so the 64-wide tiles of the table need more than an H200 has (64 keys of the BoB columns
 kernel: 320 KiB). The forward and first backward take 32-wide loop tiles with one stage more, the
 BoB columns kernel 16 x 16 tiles: on an H200 the fastest of the settings that fit, at the same error
-(docs/kernel_notes.md, "Calibration of the launch settings"). The rows kernel and the JVP follow the
+(docs/notes/kernel_notes.md, "Calibration of the launch settings"). The rows kernel and the JVP follow the
 table, stepped down by the estimate."""
 
 
 def _cuda_default(kernel: str, bd: int, itemsize: int, precision: str = "ieee") -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a CUDA launch: the fastest of an H200 sweep (bf16,
-    N=16384, causal, head dims 64 and 128; docs/kernel_notes.md). Four warps (one warpgroup) where a
+    N=16384, causal, head dims 64 and 128; docs/notes/kernel_notes.md). Four warps (one warpgroup) where a
     program owns query rows: eight would split the row sums of a tile across warpgroups. Head dim 256
     takes the smallest tiles, for the registers (`cuda_config` then fits them to the device's shared
     memory). itemsize: bytes per input element; precision: the products of float32 inputs."""
@@ -144,7 +144,8 @@ def _cuda_default(kernel: str, bd: int, itemsize: int, precision: str = "ieee") 
         return (64, 64, 4, 2)
     # bob_cols at head dim 128, 16-bit inputs: 128 keys per program over two warpgroups (their warps
     # split keys, which need no cross-warp row sums), faster on an H200 than 64 keys over one, with
-    # three query tiles in flight (201 KiB; docs/kernel_notes.md, "the columns pass regrouped").
+    # three query tiles in flight (docs/notes/kernel_notes.md, "the columns pass regrouped"; its shared
+    # memory under "Calibration counts").
     # Float32 operands would not fit it: they keep the one-warpgroup tile.
     return (32, 128, 8, 3) if itemsize == 2 else (32, 64, 4, 2)
 
@@ -152,9 +153,9 @@ def _cuda_default(kernel: str, bd: int, itemsize: int, precision: str = "ieee") 
 REGISTER_CAP_FP32 = 255
 """`maxnreg` of every float32 launch on CUDA with float32-accurate products (tf32x3, ieee): the most
 registers ptxas may give a thread. Without it, ptxas (Triton 3.6, sm_90) gives the launches whose
-products are not wgmma (mma.sync tiles, FMA) 32 registers and kilobytes of stack per thread; with
-it, 255 registers and a third of the stack or less (docs/kernel_notes.md). Plain tf32 compiles alike
-with and without it, so it is left to ptxas there."""
+products are not wgmma (mma.sync tiles, FMA) few registers and spills the rest to the stack; with it,
+they take up to 255 and spill far less (the counts: docs/notes/kernel_notes.md, "Calibration counts").
+Plain tf32 compiles alike with and without it, so it is left to ptxas there."""
 
 
 def split_bob_rows(head_dim: int) -> bool:
@@ -219,7 +220,7 @@ def shared_mem_estimate(kernel: str, cfg: dict, itemsize: int, precision: str = 
       float32 IEEE products (FMA): the larger of the tf32 regime's count (Triton pipelines these
       loads too) and the loop-invariant tiles, the loop's tiles alive at once and one float32
       (BLOCK_M, BLOCK_N) tile of scratch.
-    How each regime was fitted and where it over-estimates: docs/kernel_notes.md, "Calibration of
+    How each regime was fitted and where it over-estimates: docs/notes/kernel_notes.md, "Calibration of
     the launch settings".
     """
     outer, inner, alive = _operand_tiles(kernel, flags)

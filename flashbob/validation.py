@@ -18,7 +18,7 @@ FP32_PRECISIONS = ("ieee", "tf32x3", "tf32")
 DEFAULT_FP32_PRECISION = "tf32x3"
 """The products of float32 inputs on the Triton path (fp32_precision=None): three TF32 products of hi
 and lo parts. On an H200 their error is at or below plain PyTorch float32's, and they run many times
-faster than IEEE products, which lose to them in error too (docs/kernel_notes.md, "Calibration of the
+faster than IEEE products, which lose to them in error too (docs/notes/kernel_notes.md, "Calibration of the
 launch settings")."""
 
 

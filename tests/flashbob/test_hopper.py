@@ -157,7 +157,7 @@ def test_bob_matches_float64(case, dtype, layout, hopper_launches):
             check(f"bob{i}", got, want, dtype, baseline)
         except AssertionError:
             # With a single key (N = M = 1) the affine split cancels terms that were rounded to the
-            # input dtype (X in Q̄, P*G in dŌ; docs/kernel_notes.md): the portable kernels leave the
+            # input dtype (X in Q̄, P*G in dŌ; docs/notes/kernel_notes.md): the portable kernels leave the
             # same error there. Beyond the bound, no more than 1.25x theirs on the same inputs.
             if portable is None:
                 with pytest.MonkeyPatch.context() as patch:

@@ -2,7 +2,7 @@
 
 `DivergenceGuard` stops a run at the first non-finite loss. A loss that jumps and does not come back
 stays finite and passes it: TTT-E2E on a 1,200-step schedule at lr 1e-3 jumped from 2.06 to 2.89 near
-step 200 and never recovered (docs/history.md). This callback keeps an exponential moving average
+step 200 and never recovered (docs/notes/history.md). This callback keeps an exponential moving average
 of the loss each outer step returns. Once `warmup` outer steps have passed, it compares that average
 with the lowest one so far. When the average exceeds the lowest by more than `rise` (a fraction of it),
 the callback warns once, names the step and the keys to look at, and records the spike. It warns again
