@@ -14,8 +14,9 @@ from ttt.learners.ttt_language_model import TTTLanguageLearner
 from ttt.meta import TaskDataModule
 from ttt.models import Transformer, TransformerConfig
 from ttt.text.context_schedule import ShortThenLong, flatten_rows
-from ttt.text.corpus import TextDataConfig, TokenWindows, split_documents
+from ttt.text.corpus import Packing, TextDataConfig, TokenWindows, split_documents
 from ttt.text.long_context import LongContextEvalConfig
+from ttt.text.packing import PackedSlices
 from ttt.text.passkey import PasskeyMix
 from ttt.text.tokenizer import load_tokenizer
 
@@ -48,6 +49,9 @@ def build_data(cfg: Config, tokenizer) -> TaskDataModule:
     length - 1), the weight of each next-token loss."""
     data = cfg.data
     documents = split_documents(data, tokenizer)
+    if data.packing == Packing.stream:
+        slices = packed_slices(cfg, documents, tokenizer)
+        return TaskDataModule.from_trainer(slices, seed=cfg.seed, trainer=cfg.trainer)
     windows = {split: TokenWindows(docs, data.seq_len, split) for split, docs in documents.items()}
     samples = {split: windows_of_split.sample for split, windows_of_split in windows.items()}
     samples["train"] = with_passkeys(cfg, samples["train"], tokenizer, data.seq_len, "data.seq_len")
@@ -79,6 +83,25 @@ def build_data(cfg: Config, tokenizer) -> TaskDataModule:
     )
 
 
+def packed_slices(cfg: Config, documents: dict, tokenizer) -> dict[str, PackedSlices]:
+    """Each split's documents packed into one stream and cut into data.seq_len + 1-token slices
+    (`ttt.text.packing`): training in a shuffled order, the held-out sets in order; ValueError naming
+    trainer.val_tasks / trainer.test_tasks when a held-out split has fewer slices than asked for."""
+    bos = stream_bos(cfg.data, tokenizer)
+    slices = {
+        split: PackedSlices(docs, length=cfg.data.seq_len, bos_id=bos, split=split, shuffle=split == "train")
+        for split, docs in documents.items()
+    }
+    for split, key in (("val", "val_tasks"), ("test", "test_tasks")):
+        asked, made = getattr(cfg.trainer, key), len(slices[split])
+        if asked > made:
+            raise ValueError(
+                f"trainer.{key}={asked} but the {split} documents make {made} slices of data.seq_len + 1 = "
+                f"{cfg.data.seq_len + 1} tokens: lower trainer.{key} or data.seq_len"
+            )
+    return slices
+
+
 def with_passkeys(cfg: Config, sample, tokenizer, length: int, length_key: str):
     """`sample` (windows of `length` tokens, config key `length_key`) with data.passkey_fraction of its
     rows passkey sequences (`PasskeyMix`); `sample` itself when the fraction is 0."""
@@ -105,14 +128,29 @@ def build_learner(cfg: Config, model: TTTTransformer, tokenizer) -> TTTLanguageL
 
 def text_tokenizer(data: TextDataConfig, model: TransformerConfig):
     """The tokenizer of data.tokenizer, refused (naming model.vocab_size) when its vocabulary does not fit
-    the model's: the tokenizer of every text recipe built on our `Transformer`."""
+    the model's, and with data.packing=stream when the BOS token (`stream_bos`) is not a token id of the
+    model: the tokenizer of every text recipe built on our `Transformer`."""
     tokenizer = load_tokenizer(data.tokenizer)
     if model.vocab_size < tokenizer.vocab_size:
         raise ValueError(
             f"model.vocab_size ({model.vocab_size}) must be >= the tokenizer's vocabulary "
-            f"({tokenizer.vocab_size})"
+            f"({tokenizer.vocab_size}) of data.tokenizer={data.tokenizer!r}"
         )
+    if data.packing == Packing.stream:
+        bos = stream_bos(data, tokenizer)
+        if not 0 <= bos < model.vocab_size:
+            raise ValueError(
+                f"data.bos_id ({bos}) must be a token id below model.vocab_size ({model.vocab_size})"
+            )
     return tokenizer
+
+
+def stream_bos(data: TextDataConfig, tokenizer) -> int:
+    """The BOS token of data.packing=stream: data.bos_id, else the tokenizer's, else the first id past the
+    tokenizer's vocabulary."""
+    if data.bos_id is not None:
+        return data.bos_id
+    return tokenizer.vocab_size if tokenizer.bos_id is None else tokenizer.bos_id
 
 
 def build_module(cfg: Config) -> TTTLanguageLearner:

@@ -107,3 +107,25 @@ def test_a_run_trained_short_continues_at_a_longer_context(tiny_ttt_e2e, tmp_pat
     assert yaml.safe_load((run / "config.yaml").read_text()) == sessions[1]
     rows = list(csv.DictReader((run / "loss_by_position.csv").open()))
     assert rows[-1]["end"] == "63", "the test after the long session reads the long windows"
+
+
+def test_the_125m_recipe_at_toy_size_trains_on_masked_slices_and_writes_every_position(tmp_path):
+    """recipe=ttt_e2e_125m with its options on (QK-norm, post-norms, stream packing with BOS masking, chunk
+    means, fixed inner lr) shrunk to seconds: the held-out objective is logged, and the test writes the
+    loss of every one of the seq_len positions."""
+    corpus = write_tiny_corpus(tmp_path / "corpus")
+    overrides = [
+        *tiny_text_run("ttt_e2e_125m", corpus, tmp_path / "runs"),
+        "model.vocab_size=257", "model.d_ff=48", "model.n_heads=2", "data.seq_len=32", "ttt.chunk_len=8",
+        "ttt.sequences_per_pass=1", "eval.passkey_lengths=[120]", "trainer.precision=32-true",
+        "optim.schedule_steps=2", "run.name=e2e",
+    ]  # fmt: skip
+    cfg = load_config(overrides)
+    assert cfg.model.qk_norm and cfg.model.post_norm and cfg.data.packing == "stream"
+    assert main(overrides) == 0
+    run = tmp_path / "runs" / "e2e"
+    summary = json.loads((run / "summary.json").read_text())
+    assert {"loss_adapted", "loss_unadapted"} <= set(summary)
+    rows = list(csv.DictReader((run / "nll_by_position.csv").open()))
+    assert len(rows) == 32 and set(rows[0]) == {"position", "nll_adapted", "nll_unadapted"}
+    assert all(float(row["nll_adapted"]) > 0 for row in rows)

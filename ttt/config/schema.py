@@ -95,6 +95,9 @@ class OuterOptimConfig:
     """Learning-rate schedule after warm-up: constant, cosine or linear (decay to min_lr_ratio * lr)."""
     warmup_steps: int = 0
     """Linear warm-up from 0 over this many outer steps."""
+    warmup_from_zero: bool = False
+    """The first outer step takes lr 0: lr * s / warmup_steps at outer step s (from 0), optax's linear
+    warm-up (TTT-E2E); false: lr * (s + 1) / warmup_steps (the first step already moves)."""
     min_lr_ratio: float = 0.1
     """Final learning rate of cosine and linear schedules, as a fraction of lr."""
     schedule_steps: int | None = None

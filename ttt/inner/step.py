@@ -25,12 +25,17 @@ from .optimizers import InnerOptimizer, LearningRates, Tensors
 def clip_by_global_norm(
     grads: Mapping[str, torch.Tensor], max_norm: float, *, per_row: bool = False
 ) -> Tensors:
-    """Scale all grads by min(1, max_norm / ||grads||) (global L2 norm); differentiable, no in-place ops.
-    per_row: the grads are (B, ...), one problem per row (a sequence's own fast weights), and each row
-    gets its own norm and factor."""
+    """The grads unchanged where their global L2 norm n is below max_norm, else scaled by max_norm / n
+    (optax's rule, as TTT-E2E's inner step clips); differentiable (also through n), no in-place ops, the
+    norm in float32 (float64 for float64 grads). per_row: the grads are (B, ...), one problem per row (a
+    sequence's own fast weights), and each row gets its own norm and factor."""
     start = 1 if per_row else 0
-    total = torch.sqrt(sum(g.float().square().flatten(start).sum(-1) for g in grads.values()))
-    factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    squares = sum(g.to(torch.promote_types(g.dtype, torch.float32)).square().flatten(start).sum(-1)
+                  for g in grads.values())  # fmt: skip
+    # All-zero grads (a chunk whose targets are all masked) have n = 0, where sqrt's derivative is infinite:
+    # take the root of 1 there (the factor multiplies zeros anyway), so that no NaN reaches the outer graph.
+    total = torch.where(squares > 0, torch.sqrt(torch.where(squares > 0, squares, 1.0)), 0.0)
+    factor = max_norm / torch.clamp(total, min=max_norm)
     return {n: g * factor.view(factor.shape + (1,) * (g.dim() - start)).to(g.dtype) for n, g in grads.items()}
 
 

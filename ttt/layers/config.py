@@ -4,6 +4,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ttt.config.choice import Choice
+
+
+class ExtraMlpInit(Choice):
+    """ttt.extra_mlp_init."""
+
+    zero_out = "zero_out"
+    normal = "normal"
+
+
+class LossAverage(Choice):
+    """ttt.loss_average."""
+
+    tokens = "tokens"
+    chunks = "chunks"
+
 
 @dataclass
 class TTTConfig:
@@ -19,12 +35,24 @@ class TTTConfig:
     """Give each suffix block an extra SwiGLU MLP (ttt_norm, ttt_mlp) between attention and its MLP."""
     extra_mlp_hidden: int | None = None
     """Hidden width of the extra MLP; null: the model's d_ff."""
+    extra_mlp_init: ExtraMlpInit = ExtraMlpInit.zero_out
+    """The extra MLP's initial weights: zero_out (gate and up N(0, model.init_std), down projection 0, so
+    a fresh model computes what the plain one did) or normal (all three N(0, model.init_std): TTT-E2E)."""
     chunk_len: int = 64
     """Tokens per chunk: each chunk is scored, then the fast weights take inner.steps steps on its loss."""
     lr_warmup_steps: int = 0
     """Outer steps over which the inner learning rate rises linearly to its full value."""
     lr_warmup_start: float = 0.1
-    """Fraction of the inner learning rate at outer step 0 of the warm-up (TTT-E2E: 0.1)."""
+    """Fraction of the inner learning rate at the start of the warm-up (TTT-E2E: 0.1)."""
+    lr_warmup_counts_current_step: bool = False
+    """The warm-up counts the outer step being taken: the factor at outer step s (from 0) is
+    start + (1 - start) * min(1, (s + 1) / lr_warmup_steps), full from step lr_warmup_steps - 1 on
+    (TTT-E2E's official code: 0.101875 at the first of 480 steps); false: min(1, s / lr_warmup_steps),
+    start at step 0 and full from step lr_warmup_steps on."""
+    loss_average: LossAverage = LossAverage.tokens
+    """How a sequence's next-token losses make its loss (the outer objective): tokens (their mean over
+    the unmasked targets) or chunks (the mean over chunks of each chunk's masked mean: TTT-E2E). The
+    inner step of a chunk always takes its chunk's masked mean."""
     sequences_per_pass: int | None = None
     """Sequences of a batch read side by side in one pass, each with its own fast weights; the training
     graph of one pass is alive at a time, so fewer bounds memory and more launch fewer, larger kernels.
@@ -65,9 +93,14 @@ class TTTConfig:
             )
         if not 0 <= self.lr_warmup_start <= 1:
             raise ValueError(f"ttt.lr_warmup_start must be in [0, 1], got {self.lr_warmup_start}")
+        self.extra_mlp_init = ExtraMlpInit.parse(self.extra_mlp_init, "ttt.extra_mlp_init")
+        self.loss_average = LossAverage.parse(self.loss_average, "ttt.loss_average")
 
     def lr_scale(self, outer_step: int) -> float:
-        """Factor on the inner learning rates at `outer_step` (linear warm-up, then 1)."""
-        if outer_step >= self.lr_warmup_steps:
+        """Factor on the inner learning rates at outer step `outer_step` (0 for the first): a linear
+        warm-up from lr_warmup_start (ttt.lr_warmup_counts_current_step says where it is counted from),
+        then 1."""
+        done = outer_step + 1 if self.lr_warmup_counts_current_step else outer_step
+        if done >= self.lr_warmup_steps:
             return 1.0
-        return self.lr_warmup_start + (1 - self.lr_warmup_start) * outer_step / self.lr_warmup_steps
+        return self.lr_warmup_start + (1 - self.lr_warmup_start) * done / self.lr_warmup_steps

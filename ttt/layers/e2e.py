@@ -48,7 +48,7 @@ class TTTTransformer(SuffixReader):
     def __init__(self, base: Transformer, ttt: TTTConfig, inner: InnerLoopConfig):
         def suffix_block(block):
             hidden = (ttt.extra_mlp_hidden or self.cfg.d_ff) if ttt.extra_mlp else None
-            return SuffixBlock(block, self.cfg, hidden)
+            return SuffixBlock(block, self.cfg, hidden, extra_init=ttt.extra_mlp_init)
 
         needs = "test-time training needs a ttt.models.Transformer (Llama-style)"
         super().__init__(base, ttt, suffix_block, needs=needs)
@@ -106,7 +106,9 @@ class TTTTransformer(SuffixReader):
             logits, losses, new_caches = self._suffix_chunk(fast, chunk, caches, keep)
             return (logits, new_caches), losses
 
-        (logits, new_caches), scored, carry = adapt_chunk(score, self.inner, carry, options, per_row=True)
+        (logits, new_caches), scored, carry = adapt_chunk(
+            score, self.inner, carry, options, per_row=True, mask=chunk.mask
+        )
         return logits, scored, new_caches, carry
 
     def read(
@@ -119,16 +121,18 @@ class TTTTransformer(SuffixReader):
         lr_scale: float = 1.0,
         outer_grad: bool = True,
         keep_logits: bool = False,
+        loss_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Read the sequences tokens (B, N) chunk by chunk, side by side, each adapting its own fast
         weights. Returns (logits (B, N, V) or None unless keep_logits, next-token losses (B, N - 1)).
 
         adapt: update the fast weights (default ttt.enabled); steps: inner steps per chunk (default
         inner.steps); first_order: default inner.first_order; lr_scale multiplies the inner learning
-        rates (warm-up); outer_grad=False detaches every chunk (evaluation: memory stays flat).
+        rates (warm-up); outer_grad=False detaches every chunk (evaluation: memory stays flat);
+        loss_mask (B, N - 1): the targets each chunk's inner loss counts (None: all).
         """
         options = read_options(
             self.ttt_cfg, self.inner_cfg, adapt=adapt, steps=steps, first_order=first_order,
             lr_scale=lr_scale, outer_grad=outer_grad, keep_logits=keep_logits,
         )  # fmt: skip
-        return self._read(tokens, options)
+        return self._read(tokens, options, loss_mask)

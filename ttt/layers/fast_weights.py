@@ -19,6 +19,7 @@ import torch
 from ttt.inner import InnerLoop, InnerLoopConfig, detach_state, expand_rows, fresh_leaves
 
 from .config import TTTConfig
+from .objective import row_means
 from .reader import ReadOptions
 
 Weights = dict[str, torch.Tensor]
@@ -75,13 +76,15 @@ def adapt_chunk(
     options: ReadOptions,
     *,
     per_row: bool,
+    mask: torch.Tensor | None,
 ) -> tuple[Any, torch.Tensor, FastCarry]:
-    """One chunk of a fast-weight read: `score_then_step` with options.steps steps. Returns (the first
-    scoring's outputs, its losses (B, T), carry after the steps)."""
+    """One chunk of a fast-weight read: `score_then_step` with options.steps steps on the chunk's masked
+    mean loss (mask (B, T) or None). Returns (the first scoring's outputs, its losses (B, T), carry after
+    the steps)."""
     fast, state, lrs = carry
     outputs, scored, fast, state = score_then_step(
         score, inner, fast, state, lrs, steps=options.steps, create_graph=options.create_graph,
-        per_row=per_row, scored_in_outer=options.outer_grad,
+        per_row=per_row, scored_in_outer=options.outer_grad, mask=mask,
     )  # fmt: skip
     return outputs, scored, (fast, state, lrs)
 
@@ -97,9 +100,11 @@ def score_then_step(
     create_graph: bool,
     per_row: bool,
     scored_in_outer: bool = True,
+    mask: torch.Tensor | None = None,
 ) -> tuple[Any, torch.Tensor, Weights, dict]:
     """Score a chunk with the fast weights `fast`, then take `steps` inner steps (`inner.step`, learning
-    rates lrs) on its mean loss; none when the chunk has nothing to predict (an empty last chunk).
+    rates lrs) on its mean loss over the targets mask (B, T) keeps (all without a mask; a row whose
+    targets are all masked has loss 0); none when the chunk has nothing to predict (an empty last chunk).
 
     score(fast, first) -> (outputs, next-token losses (B, T)): the chunk read with fast; first is True
     for the scoring whose outputs are returned, False for the rescoring of steps 1.. (whose outputs are
@@ -111,7 +116,7 @@ def score_then_step(
     for step in range(steps if scored.numel() else 0):
         losses = scored if step == 0 else score(fast, False)[1]
         fast, state = inner.step(
-            losses.mean(1).sum() if per_row else losses.mean(),  # rows independent: each its own mean
+            row_means(losses, mask).sum() if per_row else row_means(losses, mask)[0],  # each row its own mean
             fast,
             state,
             create_graph=create_graph,

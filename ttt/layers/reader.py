@@ -62,12 +62,14 @@ class ReadOptions:
 class Chunk:
     """Positions [start, end) of a read: inputs (B, C, ...) what they feed the reader, targets (B, T) the
     next tokens (T = C, or C - 1 when the chunk ends the sequence: `last`), cos, sin (C, head_dim) RoPE
-    tables of their absolute positions (None for readers that need none)."""
+    tables of their absolute positions (None for readers that need none), mask (B, T) the targets whose
+    losses count (None: all of them)."""
 
     inputs: torch.Tensor
     targets: torch.Tensor
     cos: torch.Tensor | None
     sin: torch.Tensor | None
+    mask: torch.Tensor | None
     last: bool
 
     def __len__(self) -> int:
@@ -79,13 +81,16 @@ class Chunk:
         def rows(table):
             return None if table is None else table[start:end]
 
+        def columns(table):
+            return None if table is None else table[:, start:end]
+
         return Chunk(self.inputs[:, start:end], self.targets[:, start:end], rows(self.cos), rows(self.sin),
-                     self.last and end == len(self))  # fmt: skip
+                     columns(self.mask), self.last and end == len(self))  # fmt: skip
 
 
 register_pytree_node(
     Chunk,
-    lambda chunk: ([chunk.inputs, chunk.targets, chunk.cos, chunk.sin], chunk.last),
+    lambda chunk: ([chunk.inputs, chunk.targets, chunk.cos, chunk.sin, chunk.mask], chunk.last),
     lambda children, last: Chunk(*children, last),
 )
 """A pytree node: its tensors are what `recomputed` passes through a recomputed chunk."""
@@ -100,7 +105,7 @@ class ChunkedReader(nn.Module):
 
     def _positions(self, tokens: torch.Tensor, options: ReadOptions) -> Chunk:
         """Hook: the whole read as one chunk: inputs (B, N, ...) of every position, targets (B, N - 1),
-        RoPE tables (N, head_dim) or None, last=True."""
+        RoPE tables (N, head_dim) or None, mask None, last=True."""
         raise NotImplementedError
 
     def _initial_caches(self, positions: int) -> list:
@@ -127,11 +132,14 @@ class ChunkedReader(nn.Module):
         """Hook: the caches cut from the graph (default: they hold no graph)."""
         return caches
 
-    def _read(self, tokens: torch.Tensor, options: ReadOptions) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """The chunked reading of tokens (B, N) (module docstring). Returns (logits (B, N, V), or None
-        unless options.keep_logits, next-token losses (B, N - 1))."""
+    def _read(
+        self, tokens: torch.Tensor, options: ReadOptions, loss_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The chunked reading of tokens (B, N) (module docstring); loss_mask (B, N - 1): the targets whose
+        losses the inner steps count (None: all). Returns (logits (B, N, V), or None unless
+        options.keep_logits, next-token losses (B, N - 1), every target's)."""
         check_tokens(tokens)
-        whole = self._positions(tokens, options)
+        whole = replace(self._positions(tokens, options), mask=check_loss_mask(loss_mask, tokens))
         carry = self._initial_state(tokens.shape[0], options)
         if not options.outer_grad:
             carry = self._detached(carry)
@@ -189,7 +197,7 @@ class ChunkedReader(nn.Module):
 
     def token_losses(self, tokens: torch.Tensor, **options) -> torch.Tensor:
         """Next-token losses of every position, tokens (B, N) int64 -> (B, N - 1) float32; options as
-        in `read`. Its mean is the meta-training objective."""
+        in `read` (loss_mask among them). `objective.sequence_losses` makes the meta-training objective."""
         check_tokens(tokens)
         return self.read(tokens, **options)[1]
 
@@ -198,6 +206,18 @@ class ChunkedReader(nn.Module):
         `read`)."""
         check_tokens(tokens)
         return self.read(tokens, keep_logits=True, **options)[0]
+
+
+def check_loss_mask(loss_mask: torch.Tensor | None, tokens: torch.Tensor) -> torch.Tensor | None:
+    """loss_mask (B, N - 1) as a bool tensor on tokens' device (None stays None); ValueError naming its
+    expected shape otherwise."""
+    if loss_mask is None:
+        return None
+    want = (tokens.shape[0], tokens.shape[1] - 1)
+    if tuple(loss_mask.shape) != want:
+        raise ValueError(f"loss_mask must be (batch, seq - 1) = {want} for tokens {tuple(tokens.shape)}, "
+                         f"got {tuple(loss_mask.shape)}")  # fmt: skip
+    return loss_mask.to(device=tokens.device, dtype=torch.bool)
 
 
 def check_tokens(tokens: torch.Tensor) -> None:

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from ttt.models.attention import attention
-from ttt.models.transformer import Block, RMSNorm, SwiGLU, TransformerConfig
+from ttt.models.transformer import Block, RMSNorm, SwiGLU, TransformerConfig, residual
 
 from .prefix_cache import PrefixCache
 
@@ -28,9 +28,11 @@ def detach_cache(cache: KVCache) -> KVCache:
 class SuffixBlock(nn.Module):
     """Same parameters and computation as `Block` (it takes over the block's modules, so parameter
     names stay layers.{i}.attn.wq.weight etc.), plus, with an extra MLP,
-    x + ttt_mlp(ttt_norm(x)) between attention and the block's MLP. The extra MLP's output projection
-    starts at zero, so a fresh SuffixBlock computes exactly what the block did. Through functional_call
-    any of its weights may carry a leading batch dim, one per sequence (see `project`)."""
+    x + ttt_mlp(ttt_norm(x)) between attention and the block's MLP (with model.post_norm,
+    x + ttt_post_norm(ttt_mlp(ttt_norm(x)))). extra_init "zero_out" starts the extra MLP's output
+    projection at zero, so a fresh SuffixBlock computes exactly what the block did; "normal" draws its
+    three matrices from N(0, model.init_std) (TTT-E2E). Through functional_call any of its weights may
+    carry a leading batch dim, one per sequence (see `project`)."""
 
     shares_prefix = False
     """With full causal attention, carry the keys and values as a `PrefixCache` (each chunk's attention
@@ -38,24 +40,27 @@ class SuffixBlock(nn.Module):
     prefix: O(N^2 / chunk_len) saved). Only for a block that continues each cache once in the forward:
     `MemoryBlock`; TTT-E2E reads every chunk again from the same cache for its inner steps."""
 
-    def __init__(self, block: Block, cfg: TransformerConfig, extra_hidden: int | None):
+    def __init__(
+        self, block: Block, cfg: TransformerConfig, extra_hidden: int | None, extra_init: str = "zero_out"
+    ):
         super().__init__()
         self.cfg = cfg
-        self.attn_norm, self.attn, self.mlp_norm, self.mlp = (
-            block.attn_norm,
-            block.attn,
-            block.mlp_norm,
-            block.mlp,
-        )
-        if extra_hidden is None:
-            self.ttt_norm = self.ttt_mlp = None
-        else:
+        self.attn_norm, self.attn = block.attn_norm, block.attn
+        self.mlp_norm, self.mlp = block.mlp_norm, block.mlp
+        self.attn_post_norm, self.mlp_post_norm = block.attn_post_norm, block.mlp_post_norm
+        self.ttt_norm = self.ttt_mlp = self.ttt_post_norm = None
+        if extra_hidden is not None:
             device = block.attn_norm.weight.device
             self.ttt_norm = RMSNorm(cfg.d_model, cfg.norm_eps, fused=cfg.fused_ops).to(device)
             self.ttt_mlp = SwiGLU(cfg.d_model, extra_hidden, fused=cfg.fused_ops).to(device)
-            nn.init.normal_(self.ttt_mlp.w_gate.weight, std=0.02)
-            nn.init.normal_(self.ttt_mlp.w_up.weight, std=0.02)
-            nn.init.zeros_(self.ttt_mlp.w_down.weight)
+            if cfg.post_norm:
+                self.ttt_post_norm = RMSNorm(cfg.d_model, cfg.norm_eps, fused=cfg.fused_ops).to(device)
+            nn.init.normal_(self.ttt_mlp.w_gate.weight, std=cfg.init_std)
+            nn.init.normal_(self.ttt_mlp.w_up.weight, std=cfg.init_std)
+            if extra_init == "zero_out":
+                nn.init.zeros_(self.ttt_mlp.w_down.weight)
+            else:
+                nn.init.normal_(self.ttt_mlp.w_down.weight, std=cfg.init_std)
 
     def kept_keys(self) -> int | None:
         """How many past positions a later query can still see: window - 1 (None: all, full attention)."""
@@ -84,7 +89,7 @@ class SuffixBlock(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache = None):
         """One chunk: x (B, C, d_model) -> ((B, C, d_model), the key/value cache for the next chunk)."""
         attended, cache = self.attend(self.attn_norm(x), cos, sin, cache)
-        x = x + attended
+        x = residual(x, attended, self.attn_post_norm)
         if self.ttt_mlp is not None:
-            x = x + self.ttt_mlp(self.ttt_norm(x))
-        return x + self.mlp(self.mlp_norm(x)), cache
+            x = residual(x, self.ttt_mlp(self.ttt_norm(x)), self.ttt_post_norm)
+        return residual(x, self.mlp(self.mlp_norm(x)), self.mlp_post_norm), cache

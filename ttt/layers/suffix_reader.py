@@ -75,8 +75,8 @@ class SuffixReader(ChunkedReader):
         """The prefix blocks' output (B, N, d_model) of every position and the RoPE tables (N, head_dim)
         of the absolute positions, as one chunk; the prefix keeps its graph only for an outer gradient."""
         n = tokens.shape[1]
-        cfg = self.cfg
-        cos, sin = rope_cos_sin(n, cfg.head_dim, cfg.rope_theta, tokens.device, cfg.rope_scaling)
+        cfg, dtype = self.cfg, torch.promote_types(self.embed.weight.dtype, torch.float32)
+        cos, sin = rope_cos_sin(n, cfg.head_dim, cfg.rope_theta, tokens.device, cfg.rope_scaling, dtype=dtype)
         grad = options.outer_grad and torch.is_grad_enabled()
         with torch.set_grad_enabled(grad):
             hidden = self.embed(tokens)
@@ -84,7 +84,7 @@ class SuffixReader(ChunkedReader):
                 hidden = maybe_checkpoint(
                     block, hidden, cos, sin, enabled=grad and self.ttt_cfg.checkpoint_prefix
                 )
-        return Chunk(hidden, tokens[:, 1:], cos, sin, last=True)
+        return Chunk(hidden, tokens[:, 1:], cos, sin, mask=None, last=True)
 
     def _initial_caches(self, positions: int) -> list:
         """Each suffix block's cache before the first chunk of a read of `positions` positions."""

@@ -80,7 +80,7 @@ class TransformersTTTReader(ChunkedReader):
 
     def _positions(self, tokens: torch.Tensor, options: ReadOptions) -> Chunk:
         """The token ids as the chunks' inputs (the model reads ids; it makes its own positions)."""
-        return Chunk(tokens, tokens[:, 1:], None, None, last=True)
+        return Chunk(tokens, tokens[:, 1:], None, None, mask=None, last=True)
 
     def _initial_caches(self, positions: int) -> list:
         """No left context before the first chunk."""
@@ -108,7 +108,9 @@ class TransformersTTTReader(ChunkedReader):
             return logits, next_token_losses(logits, chunk.targets)
 
         with torch.set_grad_enabled(torch.is_grad_enabled() and (options.outer_grad or options.steps > 0)):
-            logits, scored, carry = adapt_chunk(score, self.inner, carry, options, per_row=False)
+            logits, scored, carry = adapt_chunk(
+                score, self.inner, carry, options, per_row=False, mask=chunk.mask
+            )
         context = fed[:, fed.shape[1] - self.left_context(fed.shape[1]) :]  # the next chunk's left context
         return (logits if options.keep_logits else None), scored, [context], carry
 
@@ -122,6 +124,7 @@ class TransformersTTTReader(ChunkedReader):
         lr_scale: float = 1.0,
         outer_grad: bool = True,
         keep_logits: bool = False,
+        loss_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Read the sequences tokens (B, N) chunk by chunk, one after another, each adapting its own fast
         weights. Returns (logits (B, N, V) or None unless keep_logits, next-token losses (B, N - 1)).
@@ -131,6 +134,10 @@ class TransformersTTTReader(ChunkedReader):
             self.ttt_cfg, self.inner_cfg, adapt=adapt, steps=steps, first_order=first_order,
             lr_scale=lr_scale, outer_grad=outer_grad, keep_logits=keep_logits,
         )  # fmt: skip
-        rows = [self._read(row[None], replace(options, checkpoint=False)) for row in tokens]
+        options = replace(options, checkpoint=False)
+        rows = [
+            self._read(row[None], options, None if loss_mask is None else loss_mask[i : i + 1])
+            for i, row in enumerate(tokens)
+        ]
         logits = torch.cat([r[0] for r in rows]) if keep_logits else None
         return logits, torch.cat([r[1] for r in rows])

@@ -1,10 +1,13 @@
 """`TTTLanguageLearner`: meta-trains a `TTTTransformer` (or a `NeuralMemoryTransformer` or a
 `TransformersTTTReader`, which read through the same interface) on text, end to end.
 
-The outer loss is the mean next-token loss over every position of a sequence, each chunk scored
-before the fast weights train on it; its gradient goes through all inner updates. Validation and
+The outer loss of a sequence is the mean of its next-token losses (ttt.loss_average: over its
+targets, or over chunks of each chunk's mean), each chunk scored before the fast weights train on it;
+its gradient goes through all inner updates. Batches may mask targets ("loss_mask": data.packing=stream
+masks targets equal to BOS): the inner steps and the objective count only the kept ones. Validation and
 test read with and without test-time training ("_adapted" / "_unadapted"); after the test, loss by
-token position and passkey accuracy by context length are written to the run directory.
+token position (binned, and every position unbinned) and passkey accuracy by context length are written
+to the run directory.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 from ttt.config.schema import OuterOptimConfig
 from ttt.layers import TransformersTTTReader, TTTTransformer
 from ttt.layers.neural_memory import NeuralMemoryTransformer
+from ttt.layers.objective import sequence_losses
 from ttt.meta.learner import OuterLearner, refuse_inference_mode
 from ttt.text.long_context import (
     MODES,
@@ -31,9 +35,9 @@ from ttt.text.tokenizer import Tokenizer
 
 
 class TTTLanguageLearner(OuterLearner):
-    """Batches are {"tokens": (B, N) int64} (training batches may add "loss_weight" (B, N - 1) float32);
-    each sequence adapts its own fast weights, and
-    ttt.sequences_per_pass of them are read side by side (a pass of the outer step)."""
+    """Batches are {"tokens": (B, N) int64}, optionally with "loss_mask" (B, N - 1) bool (the targets that
+    count) and, in training, "loss_weight" (B, N - 1) float32; each sequence adapts its own fast weights,
+    and ttt.sequences_per_pass of them are read side by side (a pass of the outer step)."""
 
     progress_metric = "loss"
 
@@ -70,24 +74,31 @@ class TTTLanguageLearner(OuterLearner):
         return self.model.ttt_cfg.lr_scale(self.global_step)
 
     def read(
-        self, tokens: torch.Tensor, adapt: bool, keep_logits: bool = True
+        self,
+        tokens: torch.Tensor,
+        adapt: bool,
+        keep_logits: bool = True,
+        loss_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Evaluation reading of sequences (B, N), ttt.sequences_per_pass at a time: (logits (B, N, V),
         or None without keep_logits, losses (B, N - 1)), detached. adapt=True adapts only when
         ttt.enabled: the fast weights train on each chunk as they read it (the inner learning rates at
-        `global_step`'s warm-up, a loaded learner's too). Runs in grad mode inside torch.no_grad too;
-        refused under torch.inference_mode when it adapts."""
+        `global_step`'s warm-up, a loaded learner's too); loss_mask (B, N - 1): the targets the inner steps
+        count (None: all). Runs in grad mode inside torch.no_grad too; refused under torch.inference_mode
+        when it adapts."""
         if adapt and self.model.ttt_cfg.enabled:
             refuse_inference_mode(f"{type(self).__name__}.read(adapt=True)")
         logits, losses = [], []
+        batch = {"tokens": tokens} if loss_mask is None else {"tokens": tokens, "loss_mask": loss_mask}
         with torch.enable_grad():
-            for rows in self.split_passes({"tokens": tokens}):
+            for rows in self.split_passes(batch):
                 pass_logits, pass_losses = self.model.read(
                     rows["tokens"],
                     adapt=adapt and self.model.ttt_cfg.enabled,
                     lr_scale=self.inner_lr_scale(),
                     outer_grad=False,
                     keep_logits=keep_logits,
+                    loss_mask=rows.get("loss_mask"),
                 )
                 logits.append(pass_logits)
                 losses.append(pass_losses)
@@ -96,33 +107,43 @@ class TTTLanguageLearner(OuterLearner):
     def pass_loss(
         self, rows: dict[str, torch.Tensor], batch_size: int
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The mean next-token loss of each sequence of the pass (weighted by rows["loss_weight"] where
-        given: data.passkey_answer_weight), read with test-time training, summed and divided by
-        batch_size (the pass's share of the batch mean); logged as train/loss."""
-        losses = self.model.token_losses(rows["tokens"], lr_scale=self.inner_lr_scale())
+        """The loss of each sequence of the pass (`objective`; weighted by rows["loss_weight"] where given:
+        data.passkey_answer_weight), read with test-time training, summed and divided by batch_size (the
+        pass's share of the batch mean); logged as train/loss."""
+        mask = rows.get("loss_mask")
+        losses = self.model.token_losses(rows["tokens"], lr_scale=self.inner_lr_scale(), loss_mask=mask)
         if "loss_weight" in rows:
             weight = rows["loss_weight"].to(losses.dtype)
             loss = ((losses * weight).sum(1) / weight.sum(1)).sum() / batch_size
         else:
-            loss = losses.mean(1).sum() / batch_size
+            loss = self.objective(losses, mask).sum() / batch_size
         return loss, {"loss": loss.detach()}
+
+    def objective(self, losses: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Each sequence's loss from its next-token losses (B, T) and mask (B, T) or None, averaged as
+        ttt.loss_average says (`ttt.layers.objective.sequence_losses`): (B,)."""
+        ttt = self.model.ttt_cfg
+        return sequence_losses(losses, mask, average=ttt.loss_average, chunk_len=ttt.chunk_len)
 
     def step_metrics(self) -> dict[str, float]:
         """The inner learning rates' warm-up factor (train/inner_lr_scale)."""
         return {"inner_lr_scale": self.inner_lr_scale()}
 
     def position_losses(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Per-position losses (B, N - 1) of a held-out batch, with ("adapted") and without TTT."""
-        tokens = batch["tokens"]
-        return {mode: self.read(tokens, adapt, keep_logits=False)[1] for mode, adapt in MODES.items()}
+        """Per-position losses (B, N - 1) of a held-out batch, with ("adapted") and without TTT (masked
+        targets included: the mask decides what the inner steps and the objective count)."""
+        tokens, mask = batch["tokens"], batch.get("loss_mask")
+        return {mode: self.read(tokens, adapt, False, mask)[1] for mode, adapt in MODES.items()}
 
     def evaluate(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Mean loss of a held-out batch, query_loss_adapted / _unadapted (every position is a query),
-        and late_loss_adapted / _unadapted over its last eval.late_fraction of positions, the
-        positions where long context can help (logged at every validation: val/late_loss_*)."""
+        """Of a held-out batch, with and without TTT: loss_adapted / _unadapted, the training objective
+        (`objective`: masked, averaged as in training); query_loss_* the mean over every position;
+        late_loss_* over its last eval.late_fraction of positions, where long context can help (logged at
+        every validation: val/late_loss_*)."""
         metrics = {}
         for mode, losses in self.position_losses(batch).items():
             late_from = late_start(losses.shape[1], self.eval_cfg.late_fraction)
+            metrics[f"loss_{mode}"] = self.objective(losses, batch.get("loss_mask")).mean()
             metrics[f"query_loss_{mode}"] = losses.mean()
             metrics[f"late_loss_{mode}"] = losses[:, late_from:].mean()
         return metrics
@@ -140,6 +161,8 @@ class TTTLanguageLearner(OuterLearner):
             self._window_parts[mode].append(value[:, late_from:].mean(1))
         self._position_count += len(batch["tokens"])
         metrics = {f"query_loss_{mode}": value.mean() for mode, value in losses.items()}
+        mask = batch.get("loss_mask")
+        metrics.update({f"loss_{mode}": self.objective(value, mask).mean() for mode, value in losses.items()})
         self.log_evaluation("test", metrics, self.batch_size(batch))
 
     def on_test_epoch_end(self) -> None:
@@ -162,7 +185,7 @@ class TTTLanguageLearner(OuterLearner):
         window_rows = self.late_loss_by_window()
         if self.trainer.is_global_zero:
             write_long_context_report(
-                Path(self.trainer.default_root_dir), position_rows, passkey_rows, window_rows
+                Path(self.trainer.default_root_dir), position_rows, passkey_rows, window_rows, mean
             )
 
     def late_loss_by_window(self) -> list[dict[str, float | str]]:

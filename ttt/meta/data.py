@@ -12,6 +12,10 @@ The held-out sets are Hugging Face `datasets.Dataset`s; each process evaluates i
 Text is a task stream too: a sampler per split draws token windows from that split's documents
 (`ttt.text.corpus.TokenWindows.sample`), and `TaskDataModule` serves synthetic tasks and text alike.
 
+An indexed sampler (`IndexedSampler`: a `task(seed, index)` method) gives task `index` itself instead of
+drawing it from a generator: a finite data set read in a seeded order (text packed into a token stream,
+`ttt.text.packing.PackedSlices`: every slice once per pass, in a shuffled order).
+
 A curriculum is a training sampler that also takes the outer step, `sample_at_step(rng, step)` (the
 step of task i is i // G): it changes the tasks as training goes on, and stays exact under resume and
 DDP because the step comes from the task's index. The held-out sets keep the plain sampler (the final
@@ -21,6 +25,7 @@ task), so validation measures the goal all along.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from typing import Protocol, runtime_checkable
 
 import datasets
 import lightning.pytorch as pl
@@ -32,6 +37,21 @@ TaskSampler = Callable[[np.random.Generator], dict[str, np.ndarray]]
 StepTaskSampler = Callable[[np.random.Generator, int], dict[str, np.ndarray]]
 """A curriculum: sample(rng, outer_step) -> task."""
 TRAIN_STREAM, VAL_STREAM, TEST_STREAM = 0, 1, 2
+
+
+@runtime_checkable
+class IndexedSampler(Protocol):
+    """A sampler that gives each task by its index (module docstring)."""
+
+    def task(self, seed: int, index: int) -> dict[str, np.ndarray]:
+        """Task `index` (from 0) of the stream under `seed`."""
+
+
+def sample_task(sample, seed: int, stream: int, index: int) -> dict[str, np.ndarray]:
+    """Task `index` of `stream` under `seed` from a TaskSampler (its own generator) or an IndexedSampler."""
+    if isinstance(sample, IndexedSampler):
+        return sample.task(seed, index)
+    return sample(task_rng(seed, stream, index))
 SPLITS = ("train", "val", "test")
 
 
@@ -59,11 +79,10 @@ class SyntheticTasks(Dataset):
         self.sample_at_step, self.tasks_per_step = sample_at_step, tasks_per_step
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        rng = task_rng(self.seed, self.stream, index)
         if self.sample_at_step is None:
-            task = self.sample(rng)
+            task = sample_task(self.sample, self.seed, self.stream, index)
         else:
-            task = self.sample_at_step(rng, index // self.tasks_per_step)
+            task = self.sample_at_step(task_rng(self.seed, self.stream, index), index // self.tasks_per_step)
         return {name: torch.from_numpy(np.asarray(value)) for name, value in task.items()}
 
 
@@ -116,7 +135,7 @@ def process_rank(module: pl.LightningDataModule) -> dict[str, int]:
 
 def held_out_tasks(sample: TaskSampler, *, seed: int, stream: int, count: int) -> datasets.Dataset:
     """`count` tasks of a held-out stream as an in-memory Hugging Face Dataset in torch format."""
-    rows = [sample(task_rng(seed, stream, i)) for i in range(count)]
+    rows = [sample_task(sample, seed, stream, i) for i in range(count)]
     return datasets.Dataset.from_list(rows).with_format("torch")
 
 

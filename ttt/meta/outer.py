@@ -16,9 +16,10 @@ from .sharding import clip_sharded_gradients
 
 
 def lr_multiplier(step: int, *, cfg: OuterOptimConfig, total_steps: int) -> float:
-    """Factor applied to optim.lr at outer step `step`: linear warm-up, then the configured decay."""
+    """Factor applied to optim.lr at outer step `step` (0 for the first): linear warm-up (from 0 with
+    optim.warmup_from_zero), then the configured decay."""
     if step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
+        return (step if cfg.warmup_from_zero else step + 1) / cfg.warmup_steps
     if cfg.scheduler == "constant":
         return 1.0
     progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))

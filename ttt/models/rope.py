@@ -108,14 +108,35 @@ class RopeScaling:
 
 
 def rope_cos_sin(
-    seq_len: int, head_dim: int, theta: float, device: torch.device, scaling: RopeScaling | None = None
+    seq_len: int,
+    head_dim: int,
+    theta: float,
+    device: torch.device,
+    scaling: RopeScaling | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, ...]:
-    """Rotary tables for positions 0..seq_len-1: cos and sin, each (seq_len, head_dim), float32; the
-    frequencies (and for YaRN the magnitude) scaled by `scaling` where given."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    """Rotary tables for positions 0..seq_len-1: cos and sin, each (seq_len, head_dim), in `dtype`
+    (float32, or float64 for a float64 model: the tables are computed in it); the frequencies (and for
+    YaRN the magnitude) scaled by `scaling` where given."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=dtype) / head_dim)
     if scaling is not None:
         inv_freq = scaling.apply(inv_freq, theta)
-    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=dtype), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     magnitude = 1.0 if scaling is None else scaling.magnitude()
     return angles.cos() * magnitude, angles.sin() * magnitude
+
+
+def interleaved_to_rotate_half(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Rows of a q or k projection (heads * head_dim, d_in), or a QK-norm gain (head_dim,), trained with
+    interleaved-pair RoPE (dims 2k, 2k + 1 rotate together: TTT-E2E's official code, GPT-J), reordered
+    for our rotate-half RoPE (dims k, k + head_dim / 2): row j of each head is its row P[j],
+    P = [0, 2, ..., head_dim - 2, 1, 3, ..., head_dim - 1]. Every score q . k is unchanged, since q and
+    k move alike; v, wo and the rest need no change. (A JAX kernel is (d_in, out): transpose it first.)"""
+    if head_dim < 2 or head_dim % 2 or weight.shape[0] % head_dim:
+        raise ValueError(
+            f"weight's first dim ({weight.shape[0]}) must be a multiple of an even head_dim, got {head_dim}"
+        )
+    order = torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)]).to(weight.device)
+    heads = torch.arange(weight.shape[0] // head_dim, device=weight.device)
+    return weight[(heads[:, None] * head_dim + order).flatten()]

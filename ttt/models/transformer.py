@@ -11,14 +11,20 @@ Parameter names (what glob patterns for inner-loop adaptation and checkpoint loa
     layers.{i}.attn.wq.weight / .bias             (n_heads * head_dim, d_model) / (n_heads * head_dim,)
     layers.{i}.attn.wk.weight / .bias             (n_kv_heads * head_dim, d_model)
     layers.{i}.attn.wv.weight / .bias             (n_kv_heads * head_dim, d_model)
+    layers.{i}.attn.q_norm.weight, .k_norm.weight (head_dim,); only with qk_norm
     layers.{i}.attn.wo.weight                     (d_model, n_heads * head_dim)
+    layers.{i}.attn_post_norm.weight              (d_model,); only with post_norm
     layers.{i}.mlp_norm.weight                    (d_model,)
     layers.{i}.mlp.w_gate.weight, .w_up.weight    (d_ff, d_model)
     layers.{i}.mlp.w_down.weight                  (d_model, d_ff)
+    layers.{i}.mlp_post_norm.weight               (d_model,); only with post_norm
     norm.weight                                   (d_model,)
     lm_head.weight                                (vocab_size, d_model); absent when tie_embeddings
 The q/k/v biases exist only with qkv_bias=True (as in Qwen2). RoPE uses the "rotate half" layout of
-Llama-family checkpoints.
+Llama-family checkpoints: head dims k and k + head_dim/2 form a rotated pair. An interleaved-pair
+checkpoint (pairs 2k, 2k + 1, as TTT-E2E's official JAX code) maps onto it by permuting each head's
+rows of wq and wk (and the QK-norm gains) by P = [0, 2, 4, ..., head_dim - 2, 1, 3, ..., head_dim - 1]:
+our row j of a head is its row P[j] (`interleaved_to_rotate_half`); the scores are unchanged.
 """
 
 from __future__ import annotations
@@ -31,9 +37,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ttt.config.choice import Choice
+
 from .attention import AttentionBackend, attention
 from .fused_ops import rms_norm, rope, swiglu
 from .rope import RopeScaling, rope_cos_sin
+
+
+class InitScheme(Choice):
+    """model.init."""
+
+    scaled_residual = "scaled_residual"
+    normal = "normal"
 
 
 @dataclass
@@ -70,6 +85,18 @@ class TransformerConfig:
     """Attention backend: flashbob (FlashBoB kernels on CUDA), eager (plain PyTorch) or sdpa_math."""
     fused_ops: bool = True
     """Run RMSNorm, SwiGLU's product and RoPE as fused twice-differentiable ops (ttt.models.fused_ops)."""
+    qk_norm: bool = False
+    """RMSNorm each head's query and key (learned gains q_norm, k_norm of size head_dim per layer, shared
+    by the heads) before RoPE (TTT-E2E, OLMo 2, Qwen3)."""
+    post_norm: bool = False
+    """Also RMSNorm each sub-layer's output before the residual add: x + post_norm(f(pre_norm(x))), for
+    attention and MLP (and a suffix block's extra MLP) (TTT-E2E, Gemma 2)."""
+    init: InitScheme = InitScheme.scaled_residual
+    """Initial weights: scaled_residual (GPT-2: N(0, init_std), the residual output projections attn.wo
+    and mlp.w_down N(0, init_std / sqrt(2 n_layers))) or normal (every linear and the embedding
+    N(0, init_std): TTT-E2E). Norm gains start at 1, biases at 0."""
+    init_std: float = 0.02
+    """Standard deviation of the initial weights (model.init)."""
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads"):
@@ -91,7 +118,10 @@ class TransformerConfig:
             raise ValueError(f"model.window must be a positive int or null, got {self.window}")
         if self.rope_theta <= 0 or self.norm_eps <= 0:
             raise ValueError("model.rope_theta and model.norm_eps must be positive")
+        if not self.init_std > 0:
+            raise ValueError(f"model.init_std must be > 0, got {self.init_std}")
         self.attention = AttentionBackend.parse(self.attention, "model.attention")
+        self.init = InitScheme.parse(self.init, "model.init")
 
     def _sizes(self) -> tuple[int, int, int]:
         """(n_kv_heads, head_dim, d_ff), each its field or, when null, its default."""
@@ -157,6 +187,10 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+        self.q_norm = self.k_norm = None
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, fused=cfg.fused_ops)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, fused=cfg.fused_ops)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         q, k, v = self.project_qkv(x, cos, sin)
@@ -164,13 +198,16 @@ class Attention(nn.Module):
         return self.project_out(out)
 
     def project_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """x (B, N, d) -> q (B, n_heads, N, head_dim) and k, v (B, n_kv_heads, N, head_dim), RoPE applied
-        to q and k with the tables cos, sin (N, head_dim)."""
+        """x (B, N, d) -> q (B, n_heads, N, head_dim) and k, v (B, n_kv_heads, N, head_dim), with qk_norm
+        each head's q and k RMSNormed, then RoPE applied to q and k with the tables cos, sin
+        (N, head_dim)."""
         batch, seq, _ = x.shape
         cfg = self.cfg
         q = project(self.wq, x).view(batch, seq, cfg.n_heads, cfg.head_dim).transpose(1, 2)
         k = project(self.wk, x).view(batch, seq, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
         v = project(self.wv, x).view(batch, seq, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = per_head(self.q_norm, q), per_head(self.k_norm, k)
         rotate = rope if cfg.fused_ops else apply_rope
         return rotate(q, cos, sin), rotate(k, cos, sin), v
 
@@ -196,8 +233,24 @@ class SwiGLU(nn.Module):
         return project(self.w_down, swiglu(gate, up) if self.fused else F.silu(gate) * up)
 
 
+def per_head(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """norm over each head's vector of x (B, H, N, head_dim), its gain (head_dim,) shared by the heads, or
+    (B, head_dim) through functional_call (one per sequence: broadcast over heads and positions)."""
+    if norm.weight.dim() == 1:
+        return norm(x)
+    batch, heads, seq, dim = x.shape
+    normed = norm(x.transpose(1, 2).reshape(batch, seq * heads, dim))
+    return normed.view(batch, seq, heads, dim).transpose(1, 2)
+
+
+def residual(x: torch.Tensor, sublayer_out: torch.Tensor, post_norm: RMSNorm | None) -> torch.Tensor:
+    """x + sublayer_out, the output normed first by post_norm where the block has one."""
+    return x + (sublayer_out if post_norm is None else post_norm(sublayer_out))
+
+
 class Block(nn.Module):
-    """Pre-norm residual block: x + attn(attn_norm(x)), then + mlp(mlp_norm(x)). (B, N, d) -> (B, N, d)."""
+    """Pre-norm residual block: x + attn(attn_norm(x)), then + mlp(mlp_norm(x)); with cfg.post_norm each
+    sub-layer's output is normed before the add (attn_post_norm, mlp_post_norm). (B, N, d) -> (B, N, d)."""
 
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
@@ -206,10 +259,14 @@ class Block(nn.Module):
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, fused=cfg.fused_ops)
         self.mlp = SwiGLU(cfg.d_model, cfg.d_ff, fused=cfg.fused_ops)
+        self.attn_post_norm = self.mlp_post_norm = None
+        if cfg.post_norm:
+            self.attn_post_norm = RMSNorm(cfg.d_model, cfg.norm_eps, fused=cfg.fused_ops)
+            self.mlp_post_norm = RMSNorm(cfg.d_model, cfg.norm_eps, fused=cfg.fused_ops)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
-        return x + self.mlp(self.mlp_norm(x))
+        x = residual(x, self.attn(self.attn_norm(x), cos, sin), self.attn_post_norm)
+        return residual(x, self.mlp(self.mlp_norm(x)), self.mlp_post_norm)
 
 
 class Transformer(nn.Module):
@@ -225,16 +282,23 @@ class Transformer(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """GPT-2 style init: N(0, 0.02) weights, residual output projections scaled by 1/sqrt(2 n_layers)."""
+        """model.init: norm gains 1, biases 0, every other weight N(0, init_std); with scaled_residual
+        (GPT-2) the residual output projections N(0, init_std / sqrt(2 n_layers))."""
+        std, scaled = self.cfg.init_std, self.cfg.init == InitScheme.scaled_residual
         for name, param in self.named_parameters():
             if name.endswith("norm.weight"):
                 nn.init.ones_(param)
             elif name.endswith(".bias"):
                 nn.init.zeros_(param)
-            elif name.endswith(("attn.wo.weight", "mlp.w_down.weight")):
-                nn.init.normal_(param, std=0.02 / math.sqrt(2 * self.cfg.n_layers))
+            elif scaled and name.endswith(("attn.wo.weight", "mlp.w_down.weight")):
+                nn.init.normal_(param, std=std / math.sqrt(2 * self.cfg.n_layers))
             else:
-                nn.init.normal_(param, std=0.02)
+                nn.init.normal_(param, std=std)
+
+    def rope_tables(self, positions: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (positions, head_dim) of positions 0.. in float32 (float64 for a float64 model)."""
+        cfg, dtype = self.cfg, torch.promote_types(self.embed.weight.dtype, torch.float32)
+        return rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, device, cfg.rope_scaling, dtype=dtype)
 
     def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
         """Final normed hidden states. tokens (B, N) int64 -> (B, N, d_model)."""
@@ -242,9 +306,7 @@ class Transformer(nn.Module):
             raise ValueError(
                 f"tokens must be a (batch, seq) int64 tensor, got {tuple(tokens.shape)} {tokens.dtype}"
             )
-        cos, sin = rope_cos_sin(
-            tokens.shape[1], self.cfg.head_dim, self.cfg.rope_theta, tokens.device, self.cfg.rope_scaling
-        )
+        cos, sin = self.rope_tables(tokens.shape[1], tokens.device)
         x = self.embed(tokens)
         for layer in self.layers:
             x = layer(x, cos, sin)

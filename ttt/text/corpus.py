@@ -18,7 +18,16 @@ from pathlib import Path
 import datasets
 import numpy as np
 
+from ttt.config.choice import Choice
+
 from .tokenizer import Tokenizer
+
+
+class Packing(Choice):
+    """data.packing."""
+
+    windows = "windows"
+    stream = "stream"
 
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst")
 BUILDERS_BY_SUFFIX = {
@@ -40,7 +49,18 @@ class TextDataConfig:
     tokenizer: str = "bytes"
     """bytes (UTF-8 bytes, vocab 256), or a local tokenizer.json (or its directory; needs `tokenizers`)."""
     seq_len: int = 512
-    """Tokens per training and evaluation sequence."""
+    """Tokens per training and evaluation sequence (data.packing=windows); targets per sequence
+    (data.packing=stream: slices of seq_len + 1 tokens)."""
+    packing: Packing = Packing.windows
+    """How documents become sequences: windows (seq_len consecutive tokens inside one document, drawn
+    anywhere; documents shorter than seq_len unused) or stream (TTT-E2E's: each split's documents joined
+    into one token stream with data.bos_id before each, cut into slices of seq_len + 1 tokens every
+    seq_len tokens, read in a shuffled order, every slice once per pass; targets equal to BOS are masked
+    out of the inner steps and the loss; held-out slices in order: `ttt.text.packing`)."""
+    bos_id: int | None = None
+    """The BOS token of data.packing=stream; null: the one the tokenizer puts before a text (a
+    tokenizer.json's, e.g. Llama 3's 128000), or for a tokenizer without one the first id past its
+    vocabulary (bytes: 256; the model's vocabulary must hold it)."""
     max_documents: int | None = None
     """Use at most this many documents (every k-th, evenly spread); null: all."""
     held_out_every: int = 10
@@ -88,6 +108,14 @@ class TextDataConfig:
                 f"data.short_seq_len must be >= 2, below data.seq_len ({self.seq_len}) and divide it (so "
                 f"that a short step reads the same tokens as a long one), got {self.short_seq_len}"
             )
+        self.packing = Packing.parse(self.packing, "data.packing")
+        if self.packing == Packing.stream and (self.short_steps or self.passkey_fraction):
+            raise ValueError(
+                "data.packing=stream reads whole slices of one packed stream: it does not combine with "
+                "data.short_steps or data.passkey_fraction (set them to 0, or use data.packing=windows)"
+            )
+        if self.bos_id is not None and self.bos_id < 0:
+            raise ValueError(f"data.bos_id must be a token id >= 0 or null, got {self.bos_id}")
         if self.passkey_answer_weight != 1 and not self.passkey_fraction:
             raise ValueError(
                 f"data.passkey_answer_weight={self.passkey_answer_weight} weights passkey rows, but "

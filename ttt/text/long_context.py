@@ -181,10 +181,13 @@ def write_long_context_report(
     position_rows: dict[str, list[dict[str, float]]],
     passkey_rows: list[dict[str, float]],
     window_rows: list[dict[str, float | str]],
+    position_means: dict[str, np.ndarray],
 ) -> dict[str, str]:
-    """Write loss_by_position.{csv,json,png}, late_loss_by_window.csv (rows {window: id in hex,
-    late_loss_adapted, late_loss_unadapted}, one per test window) and passkey.{csv,png} into run_dir;
-    returns name -> path."""
+    """Write loss_by_position.{csv,json,png} (binned), nll_by_position.csv (every position, unbinned:
+    rows {position, nll_adapted, nll_unadapted} from position_means, mode -> (P,) mean next-token loss
+    of each position over the test windows, masked targets included), late_loss_by_window.csv (rows
+    {window: id in hex, late_loss_adapted, late_loss_unadapted}, one per test window) and
+    passkey.{csv,png} into run_dir; returns name -> path."""
     run_dir.mkdir(parents=True, exist_ok=True)
     names = list(position_rows)
     table = [
@@ -200,6 +203,15 @@ def write_long_context_report(
         "loss_by_position_png": run_dir / "loss_by_position.png",
     }
     write_csv(files["loss_by_position_csv"], table)
+    files["nll_by_position_csv"] = run_dir / "nll_by_position.csv"
+    modes = list(position_means)
+    write_csv(
+        files["nll_by_position_csv"],
+        [
+            {"position": i, **{f"nll_{mode}": float(position_means[mode][i]) for mode in modes}}
+            for i in range(len(position_means[modes[0]]))
+        ],
+    )
     files["late_loss_by_window_csv"] = run_dir / "late_loss_by_window.csv"
     write_csv(files["late_loss_by_window_csv"], window_rows)
     (run_dir / "loss_by_position.json").write_text(strict_json(position_rows, indent=2) + "\n")

@@ -14,6 +14,8 @@ class Tokenizer(Protocol):
 
     vocab_size: int
     """Token ids are in [0, vocab_size)."""
+    bos_id: int | None
+    """The token the tokenizer puts before a text (None: it puts none)."""
 
     def encode(self, text: str) -> np.ndarray:
         """Token ids of `text`, (n,) int32."""
@@ -23,6 +25,7 @@ class ByteTokenizer:
     """One token per UTF-8 byte: vocab_size 256, no special tokens."""
 
     vocab_size = 256
+    bos_id = None
 
     def encode(self, text: str) -> np.ndarray:
         """The UTF-8 bytes of `text`, (n,) int32."""
@@ -41,10 +44,19 @@ class JsonTokenizer:
 
         self.tokenizer = HFTokenizer.from_file(str(path))
         self.vocab_size = self.tokenizer.get_vocab_size()
+        self.bos_id = _leading_special_token(self.tokenizer)
 
     def encode(self, text: str) -> np.ndarray:
         """Token ids of `text`, (n,) int32, without added special tokens."""
         return np.asarray(self.tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+
+
+def _leading_special_token(tokenizer) -> int | None:
+    """The token a `tokenizers.Tokenizer`'s template puts before a text (its BOS), or None."""
+    plain = tokenizer.encode("a", add_special_tokens=False).ids
+    framed = tokenizer.encode("a", add_special_tokens=True).ids
+    before = next((i for i in range(len(framed)) if framed[i : i + len(plain)] == plain), 0)
+    return framed[0] if before else None
 
 
 def load_tokenizer(spec: str) -> ByteTokenizer | JsonTokenizer:

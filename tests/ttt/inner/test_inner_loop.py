@@ -152,7 +152,6 @@ def test_meta_sgd_learning_rate_gradient_matches_closed_form():
     )
 
 
-
 def test_log_space_lrs_start_at_lr_and_their_gradient_is_lr_times_the_linear_one():
     curvature, minimum, target = _quadratic(seed=2)
     w0 = torch.randn(4, dtype=torch.float64)
@@ -190,6 +189,7 @@ def test_bad_lr_space_or_lr_outer_lr_is_refused_by_name(overrides, named):
     with pytest.raises(ValueError, match=named):
         InnerLoopConfig(**overrides)
 
+
 def test_clip_by_global_norm():
     grads = {"a": torch.tensor([3.0, 0.0], requires_grad=True), "b": torch.tensor([4.0], requires_grad=True)}
     clipped = clip_by_global_norm(grads, 1.0)
@@ -198,6 +198,27 @@ def test_clip_by_global_norm():
     torch.testing.assert_close(clip_by_global_norm(grads, 10.0)["a"], grads["a"])
     (g,) = torch.autograd.grad(clipped["b"].sum(), grads["b"])
     assert g.abs().item() > 0
+
+
+def test_clip_by_global_norm_is_optax_rule_in_float64_and_safe_at_zero():
+    """Below max_norm the grads are returned as they are, at or above it they are g * max_norm / n (no
+    epsilon), the norm in float64 for float64 grads; all-zero grads give no NaN in the second derivative."""
+    w = torch.tensor([1e-9, 2e-9], dtype=torch.float64, requires_grad=True)
+    below = clip_by_global_norm({"w": w * 1e8}, 1.0)["w"]
+    assert torch.equal(below, w * 1e8)
+    big = torch.tensor([3.0, 4.0], dtype=torch.float64, requires_grad=True)
+    clipped = clip_by_global_norm({"w": big}, 1.0)["w"]
+    want = torch.tensor([0.6, 0.8], dtype=torch.float64)
+    torch.testing.assert_close(clipped.detach(), want, rtol=1e-15, atol=0)  # an epsilon would be off by 1e-6
+    (grad,) = torch.autograd.grad(clipped[0], big)  # d(g0 / |g|): (|g|^2 - g0^2, -g0 g1) / |g|^3
+    torch.testing.assert_close(
+        grad, torch.tensor([16.0, -12.0], dtype=torch.float64) / 125, rtol=1e-15, atol=0
+    )
+    zero = torch.zeros(3, dtype=torch.float64, requires_grad=True)
+    out = clip_by_global_norm({"w": zero * zero}, 1.0)["w"]
+    (first,) = torch.autograd.grad(out.sum(), zero, create_graph=True)
+    (second,) = torch.autograd.grad(first.sum(), zero)
+    assert torch.isfinite(first).all() and torch.isfinite(second).all()
 
 
 def test_clip_by_global_norm_per_row_clips_each_row_as_on_its_own():

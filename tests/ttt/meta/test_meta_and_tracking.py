@@ -97,6 +97,13 @@ def test_lr_schedules(scheduler, expected):
     assert got == pytest.approx(expected)
 
 
+def test_warm_up_from_zero_is_optax_linear_warm_up_then_cosine_to_the_floor():
+    """TTT-E2E's outer schedule: lr 0 at the first step, s / warmup after, cosine to min_lr_ratio."""
+    cfg = OuterOptimConfig(warmup_steps=480, warmup_from_zero=True, min_lr_ratio=1e-5 / 3e-3)
+    lr = [3e-3 * lr_multiplier(s, cfg=cfg, total_steps=4800) for s in (0, 1, 479, 480, 2640, 4799, 6000)]
+    assert lr == pytest.approx([0.0, 6.25e-6, 2.99375e-3, 3e-3, 1.505e-3, 1.0000395e-5, 1e-5], rel=1e-6)
+
+
 def test_atomic_checkpoint_keeps_the_old_file_when_a_save_fails(tmp_path, monkeypatch):
     path = tmp_path / "checkpoints" / "last.ckpt"
     io = AtomicCheckpointIO()

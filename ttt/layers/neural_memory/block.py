@@ -42,6 +42,8 @@ class MemoryBlock(SuffixBlock):
     shares_prefix = True
 
     def __init__(self, block: Block, cfg: TransformerConfig, memory: MemoryConfig):
+        if cfg.post_norm:
+            raise ValueError("model.post_norm is not supported in neural-memory blocks: set it false")
         super().__init__(block, cfg, None)
         self.variant, self.mac_write_from = memory.variant, memory.mac_write_from
         self.memory = NeuralMemory(cfg.d_model, memory).to(block.attn_norm.weight.device)

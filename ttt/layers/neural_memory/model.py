@@ -113,13 +113,15 @@ class NeuralMemoryTransformer(SuffixReader):
         lr_scale: float = 1.0,
         outer_grad: bool = True,
         keep_logits: bool = False,
+        loss_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Read the sequences tokens (B, N) chunk by chunk, side by side, each writing its own memory.
         Returns (logits (B, N, V) or None unless keep_logits, next-token losses (B, N - 1)).
 
         adapt: write the memories (default ttt.enabled; false: every chunk reads the initial memory);
         first_order: default memory.first_order; lr_scale multiplies the memory learning rates (warm-up);
-        outer_grad=False detaches every chunk (evaluation: memory stays flat).
+        outer_grad=False detaches every chunk (evaluation: memory stays flat). loss_mask (B, N - 1) is
+        accepted for the learners' one interface; the writes' associative loss does not read targets.
         """
         adapt = self.ttt_cfg.enabled if adapt is None else adapt
         first_order = self.memory_cfg.first_order if first_order is None else first_order
@@ -130,4 +132,4 @@ class NeuralMemoryTransformer(SuffixReader):
         options = ReadOptions(adapt=adapt, steps=int(adapt), create_graph=outer_grad and not first_order,
                               lr_scale=lr_scale, outer_grad=outer_grad, keep_logits=keep_logits,
                               checkpoint=self.memory_cfg.checkpoint and adapt)  # fmt: skip
-        return self._read(tokens, options)
+        return self._read(tokens, options, loss_mask)
