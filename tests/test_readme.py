@@ -52,3 +52,10 @@ def test_the_meta_learner_example_runs_and_adaptation_helps(tmp_path, monkeypatc
     assert results["test/query_loss_adapted"] < 0.3 * results["test/query_loss_unadapted"]
     assert namespace["trainer"].global_step == namespace["steps"]
     assert not list(tmp_path.iterdir())  # the example writes nothing
+
+
+def test_the_readme_names_every_command_line_entry_point():
+    import tomllib
+
+    scripts = tomllib.loads((README.parent / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts and all(f"`{name}`" in README.read_text() for name in scripts), scripts
