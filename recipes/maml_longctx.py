@@ -70,7 +70,7 @@ def build(cfg: Config) -> tuple[ContextLearner, TaskDataModule]:
         model,
         cfg.inner,
         cfg.optim,
-        cfg.schedule_steps,
+        cfg.trainer.max_steps,
         context_len=cfg.task.context_len,
         chunks=cfg.context,
     )

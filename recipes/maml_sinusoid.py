@@ -26,7 +26,7 @@ class Config(RecipeConfig):
 
 def build(cfg: Config) -> tuple[RegressionLearner, TaskDataModule]:
     """The learner (a fresh MLP) and the task stream of `cfg`."""
-    learner = RegressionLearner(MLP(cfg.model), cfg.inner, cfg.optim, cfg.schedule_steps)
+    learner = RegressionLearner(MLP(cfg.model), cfg.inner, cfg.optim, cfg.trainer.max_steps)
     data = TaskDataModule.from_trainer(
         lambda rng: sample_sinusoid(cfg.task, rng), seed=cfg.seed, trainer=cfg.trainer
     )

@@ -53,6 +53,6 @@ def build(cfg: Config) -> tuple[OptimizerComparisonLearner, TaskDataModule]:
         )
     data = build_data(cfg, tokenizer)
     learner = OptimizerComparisonLearner(
-        Transformer(cfg.model), cfg.optim, cfg.compare, cfg.schedule_steps, seed=cfg.seed
+        Transformer(cfg.model), cfg.optim, cfg.compare, cfg.trainer.max_steps, seed=cfg.seed
     )
     return learner, data

@@ -122,7 +122,7 @@ def with_passkeys(cfg: Config, sample, tokenizer, length: int, length_key: str):
 def build_learner(cfg: Config, model: TTTTransformer, tokenizer) -> TTTLanguageLearner:
     """The Lightning module that meta-trains `model` with cfg's outer optimizer and evaluation."""
     return TTTLanguageLearner(
-        model, cfg.optim, cfg.schedule_steps, evaluation=cfg.eval, tokenizer=tokenizer, seed=cfg.seed
+        model, cfg.optim, cfg.trainer.max_steps, evaluation=cfg.eval, tokenizer=tokenizer, seed=cfg.seed
     )
 
 

@@ -64,3 +64,10 @@ def test_the_meta_learner_example_runs_adaptation_helps_and_the_learner_reloads(
     adapted = (namespace["y"] - y_query).square().mean()
     unadapted = (loaded.predict(initial, task["x_query"]) - y_query).square().mean()
     assert namespace["y"].shape == (5, 1) and adapted < 0.1 * unadapted  # measured: 0.014 and 0.49
+
+
+def test_the_readme_names_every_command_line_entry_point():
+    import tomllib
+
+    scripts = tomllib.loads((README.parent / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts and all(f"`{name}`" in README.read_text() for name in scripts), scripts

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import sys
 import textwrap
 import time
 import warnings
+from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -30,9 +32,10 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from recipes import available_recipes, load_config
-from ttt.config import ConfigError, RecipeConfig, to_dict, to_yaml
+from ttt.config import ConfigError, OuterOptimConfig, RecipeConfig, to_dict, to_yaml
 from ttt.config.keys import format_config_keys
-from ttt.config.loading import recipe_header
+from ttt.config.loading import recipe_description, recipe_header
+from ttt.meta.outer import lr_schedule_notes
 from ttt.meta.sharding import SecondOrderFSDPStrategy
 from ttt.tracking import (
     AtomicCheckpointIO,
@@ -40,27 +43,33 @@ from ttt.tracking import (
     DivergenceError,
     DivergenceGuard,
     EpochEndCheckpoint,
+    LastEpochEndsAtMaxSteps,
     LogStepAlignment,
     LossSpikeWatch,
     OuterStepTimer,
     Preempted,
     PreemptionSignals,
+    RunDirectoryError,
     RunPaths,
     StepBoundaryCheckpoint,
+    StoppedAtOnce,
     atomic_write_text,
     check_resumable,
+    check_writable,
+    finished_at,
     format_summary_table,
     load_checkpoint,
     new_run_dir,
     out_of_memory_advice,
     resolve_resume,
+    stopped_at_once,
     trained_minutes,
     write_run_report,
     write_summary,
 )
 
 USAGE = """\
-usage: python -m ttt.train recipe=NAME [key=value ...]
+usage: python -m ttt.train recipe=NAME [key=value ...]     (or: ttt-train recipe=NAME ...)
        python -m ttt.train recipe=NAME --help     every key of recipe NAME: type, value, doc
 
 Meta-trains recipe NAME (configs/NAME.yaml), evaluates it on held-out tasks, prints a summary
@@ -68,21 +77,36 @@ table and writes the run directory <run.root>/<run.name>/ (config.yaml, logs/, c
 summary.json, training_curves.png, test_adapted_vs_unadapted.png). A NaN or infinite loss stops
 the run (exit status 3) with the step, the loss and the keys to look at; the last good checkpoint
 is kept. SIGTERM or SIGUSR1 (preemption) makes it write its checkpoint at the next outer step, mark
-the run directory (preempted.json) and exit with status 75; resume= continues it. Several devices,
-nodes, fsdp and preemption: docs/distributed.md.
+the run directory (preempted.json) and exit with status 75; Ctrl-C (SIGINT) does the same and exits
+with status 130 (a second Ctrl-C stops it at once, without saving); resume= continues it. Several
+devices, nodes, fsdp and preemption: docs/distributed.md.
 
 Overrides are OmegaConf dotlist items, applied on top of the recipe's YAML, e.g.
     trainer.max_steps=50  model.attention=eager  inner.params=[layers.1.mlp.*]  run.name=try1
-Unknown keys and invalid values are errors that say what is valid.
+(a list key also takes a single value: inner.params=layers.1.mlp.*). Unknown keys, invalid values and
+a run directory that cannot be written are errors that say what is valid, before any work (status 2).
+
+Step counts
+    trainer.max_steps=N    outer steps of the run, any N: epochs of trainer.steps_per_epoch steps,
+                           each ending in validation and a checkpoint; the last one ends at N,
+                           shorter if N is not a multiple
+    optim.schedule_steps=N the lr schedule's length (warm-up and decay), a key of its own; default:
+                           the first session's trainer.max_steps. The run prints its schedule as it
+                           starts
 
 Special keys
     print_config=true      print the resolved config and exit
     resume=PATH            continue a run (its directory or a checkpoint file); its saved config
                            is used, with any other overrides applied (e.g. a larger max_steps).
                            Nothing in the run directory changes unless the checkpoint fits the
-                           model built from that config. Extending a run (a larger
-                           trainer.max_steps) keeps its lr schedule (optim.schedule_steps): past
-                           the schedule's end the lr stays at its final value, with no jump
+                           model built from that config. A resume with fewer trainer.max_steps
+                           than the run has trained is refused; with as many, a finished run has
+                           nothing to do (exit 0). Extending a run (a larger trainer.max_steps)
+                           keeps its lr schedule (optim.schedule_steps): past the schedule's end
+                           the lr stays at its final value, with no jump; a resume that changes
+                           the schedule says at its start how the lr moves. The optimizer comes
+                           from the checkpoint: optim.name, lr, weight_decay, beta1, beta2 cannot
+                           change
     seed=N                 seed of model init and task streams
 
 Recipes
@@ -90,12 +114,16 @@ Recipes
 """
 
 
-def usage() -> str:
-    """The --help text, listing each recipe with the first line of its YAML header."""
+def usage(width: int = 100) -> str:
+    """The --help text, listing each recipe with its description (the first paragraph of its YAML
+    header), wrapped to `width` columns beside a column of the recipe names."""
+    recipes = sorted(available_recipes().items())
+    names = max(len(name) for name, _ in recipes)
     lines = []
-    for name, path in sorted(available_recipes().items()):
-        header = recipe_header(path).splitlines()
-        lines.append(f"    {name:<20} {header[0] if header else ''}")
+    for name, path in recipes:
+        first = f"    {name.ljust(names)}  "
+        wrapper = textwrap.TextWrapper(width, initial_indent=first, subsequent_indent=" " * len(first))
+        lines += wrapper.wrap(recipe_description(path)) or [first.rstrip()]
     return USAGE.format(recipes="\n".join(lines))
 
 
@@ -139,7 +167,31 @@ def prepare(argv: list[str]) -> tuple[RecipeConfig, RunPaths | None, Path | None
         OmegaConf.update(saved, "optim.schedule_steps", OmegaConf.select(saved, "trainer.max_steps"))
     cfg = load_config(overrides, base=saved)
     cfg.resume = resume
+    check_optimizer_kept(load_config([], base=saved).optim, cfg)
     return cfg, paths, checkpoint
+
+
+OPTIMIZER_KEYS_KEPT_ON_RESUME = ("name", "lr", "weight_decay", "beta1", "beta2")
+"""optim keys that a resume cannot change: the optimizer comes back from the checkpoint as it was saved
+(torch's load_state_dict keeps the saved settings of each parameter group, and the lr schedule the saved
+peak lr), so a new value would be silently ignored."""
+
+
+def check_optimizer_kept(saved: OuterOptimConfig, cfg: RecipeConfig) -> None:
+    """Raise ConfigError when the resumed config `cfg` changes one of `OPTIMIZER_KEYS_KEPT_ON_RESUME` of the
+    run's saved optim section."""
+    changed = [
+        f"optim.{key}={getattr(cfg.optim, key)} (the run's: {getattr(saved, key)})"
+        for key in OPTIMIZER_KEYS_KEPT_ON_RESUME
+        if getattr(cfg.optim, key) != getattr(saved, key)
+    ]
+    if changed:
+        raise ConfigError(
+            f"resume={cfg.resume}: {', '.join(changed)} cannot change on resume: the run continues with the "
+            "optimizer saved in its checkpoint, which keeps its name, lr, betas and weight decay. Drop the "
+            "override (the schedule's keys optim.scheduler, warmup_steps, min_lr_ratio, schedule_steps and "
+            "optim.grad_clip can change), or start a new run with it"
+        )
 
 
 RUN_DIR_ENV = "TTT_RUN_DIR"
@@ -173,6 +225,51 @@ UNUSED_PARAMETERS_HINT = (
     "rates with inner.steps=0 or ttt.enabled=false), which DDP must be told: set "
     "trainer.find_unused_parameters=true"
 )
+
+
+def check_run_place(cfg: RecipeConfig, paths: RunPaths | None) -> None:
+    """Raise RunDirectoryError, before any work, where the run could not write its files (global rank 0
+    writes them all): for a new run, where <run.root>/<run.name> is to be created; for a resumed one
+    (`paths`), its run directory and the folders in it (checkpoints/, logs/, ...)."""
+    if rank_zero_only.rank != 0:
+        return
+    if paths is None:
+        check_writable(
+            Path(cfg.run.root) / (cfg.run.name or ""),
+            f"run.root={cfg.run.root}",
+            "the run directory is created there: choose a writable place with run.root=DIR",
+        )
+        return
+    for folder in (paths.root, *sorted(path for path in paths.root.iterdir() if path.is_dir())):
+        check_writable(
+            folder,
+            f"resume={cfg.resume}",
+            "a resumed run writes its checkpoint, logs and summary in its run directory: copy the directory "
+            "to a writable place and resume the copy",
+        )
+
+
+class NothingToDo(Exception):
+    """A resumed run that has done everything its config asks; the message says so and how to go on."""
+
+
+def check_steps_left(cfg: RecipeConfig, checkpoint: Mapping[str, Any], paths: RunPaths) -> None:
+    """Raise ConfigError when the run resumed from `checkpoint` has trained more outer steps than
+    trainer.max_steps (a run cannot be shortened), and NothingToDo when it has trained exactly as many and
+    finished there (its summary.json says so; a run stopped in its final test is tested again)."""
+    done, wanted = int(checkpoint["global_step"]), cfg.trainer.max_steps
+    if done > wanted:
+        raise ConfigError(
+            f"resume={cfg.resume}: the run has trained {done} outer steps, more than trainer.max_steps="
+            f"{wanted}: a run cannot be shortened. Resume with trainer.max_steps={done} or more, or start a "
+            f"new run with trainer.max_steps={wanted}; the run directory was left unchanged"
+        )
+    if done == wanted and finished_at(paths, done):
+        raise NothingToDo(
+            f"resume={cfg.resume}: the run has trained all its {done} outer steps (trainer.max_steps="
+            f"{wanted}) and written its summary, {paths.summary}: nothing to do, the run directory was left "
+            f"unchanged. To train on: resume={cfg.resume} trainer.max_steps=N with N > {done}"
+        )
 
 
 def check_accelerator(cfg: RecipeConfig) -> None:
@@ -233,11 +330,12 @@ def make_trainer(
     spikes: LossSpikeWatch | None = None,
     signals: PreemptionSignals | None = None,
 ) -> pl.Trainer:
-    """The Lightning Trainer of a run: epochs of trainer.steps_per_epoch outer steps, validation and
-    an atomic last.ckpt after each epoch (and at outer-step boundaries on a preemption signal or every
-    trainer.checkpoint_every_minutes), CSV (and TensorBoard) logs in the run directory. With
-    several devices, Lightning's DDP strategy (gloo on CPU, NCCL on GPUs). spikes: the run's
-    loss-spike watch (a new one if None); signals: the run's preemption signals (new ones if None)."""
+    """The Lightning Trainer of a run: epochs of trainer.steps_per_epoch outer steps (the last one ends at
+    trainer.max_steps, shorter if need be), validation and an atomic last.ckpt after each epoch (and at
+    outer-step boundaries on a preemption signal or every trainer.checkpoint_every_minutes), CSV (and
+    TensorBoard) logs in the run directory. With several devices, Lightning's DDP strategy (gloo on CPU,
+    NCCL on GPUs). spikes: the run's loss-spike watch (a new one if None); signals: the run's preemption
+    signals (new ones if None)."""
     tc = cfg.trainer
     strategy, precision, plugins = "auto", tc.precision, [AtomicCheckpointIO()]
     if tc.strategy == "fsdp":
@@ -272,6 +370,7 @@ def make_trainer(
         callbacks=[
             guard,
             spikes if spikes is not None else LossSpikeWatch(inner_keys=cfg.inner_step_keys),
+            LastEpochEndsAtMaxSteps(),
             EpochEndCheckpoint(paths.last_checkpoint),
             LogStepAlignment(),
             timer,
@@ -300,10 +399,14 @@ def run(
     process of a ddp run calls this; only global rank 0 writes files).
 
     Returns the summary: test figures without their "test/" prefix (query_loss_unadapted,
-    query_loss_adapted, query_acc_* where the task has an accuracy, ...), time_per_outer_step_s
-    (mean after the first step of this session), first_outer_step_s, peak_memory_gib (CUDA only,
-    else None), outer_steps, loss_spike_steps (where `LossSpikeWatch` warned), wall_time_s, run_dir;
-    and the learner's own `summary_figures()`.
+    query_loss_adapted, query_acc_* where the task has an accuracy, ...), outer_steps, and figures of the
+    whole run, over every session (`OuterStepTimer`): time_per_outer_step_s (mean, each session's first
+    step left out), first_outer_step_s (the run's first), training_time_s, peak_memory_gib (CUDA only,
+    else None), loss_spike_steps (where `LossSpikeWatch` warned), wall_time_s (this session, plus the
+    earlier ones up to the checkpoint it resumed from); run_dir, and the learner's own
+    `summary_figures()`. Raises NothingToDo for a resumed run that has finished, and ConfigError for one
+    asked to train fewer steps than it has (neither touches the run directory); StoppedAtOnce (its message
+    saying what the run kept) after a second Ctrl-C.
     """
     from recipes import build
 
@@ -315,31 +418,41 @@ def run(
         module, data = build(cfg)  # the learner keeps cfg: its checkpoints load with no arguments
     except (ValueError, FileNotFoundError) as err:  # builders name the bad key in these
         raise ConfigError(f"recipe {cfg.recipe}: {err}") from err
+    saved = None
     if checkpoint is not None:
         # Everything that can fail about the checkpoint fails here, before the run directory is touched.
         saved = load_checkpoint(checkpoint, mmap=True)
         check_resumable(saved, checkpoint, module.state_dict())
+        check_steps_left(cfg, saved, paths)
         check_time_left(cfg, trained_minutes(saved))
     if paths is None:
         paths = run_paths(cfg)
     if rank_zero_only.rank == 0:
         atomic_write_text(paths.config, to_yaml(cfg))
         paths.preempted.unlink(missing_ok=True)  # this session continues the preempted one
-    timer = OuterStepTimer()
+        print("\n".join(lr_schedule_notes(cfg.optim, cfg.trainer.max_steps, saved)), file=sys.stderr)
+    timer = OuterStepTimer(started=start)
     spikes = LossSpikeWatch(inner_keys=cfg.inner_step_keys)
-    # Ours from here on: Lightning installs its own at each stage's start, StepBoundaryCheckpoint re-installs.
-    with PreemptionSignals() as signals:
-        trainer = make_trainer(cfg, paths, timer, spikes, signals)
-        # config.yaml holds the latest session's config; each session's own goes beside its metrics
-        # (logs/version_N/hparams.yaml), so a run resumed with other keys (a short-then-long context
-        # schedule) keeps its history.
-        trainer.loggers[0].log_hyperparams(to_dict(cfg))
-        # Lightning restores a checkpoint before it casts the module to the precision's dtype: cast first,
-        # or a float64 run would resume from float32-rounded parameters.
-        module = trainer.strategy.precision_plugin.convert_module(module)
-        trainer.fit(module, datamodule=data, ckpt_path=checkpoint)
-        if cfg.trainer.test_tasks:
-            trainer.test(module, datamodule=data, verbose=False)
+    trainer = None
+    try:
+        # Ours from here on: Lightning installs its own at each stage's start, StepBoundaryCheckpoint
+        # re-installs.
+        with PreemptionSignals() as signals:
+            trainer = make_trainer(cfg, paths, timer, spikes, signals)
+            # config.yaml holds the latest session's config; each session's own goes beside its metrics
+            # (logs/version_N/hparams.yaml), so a run resumed with other keys (a short-then-long context
+            # schedule) keeps its history.
+            trainer.loggers[0].log_hyperparams(to_dict(cfg))
+            # Lightning restores a checkpoint before it casts the module to the precision's dtype: cast
+            # first, or a float64 run would resume from float32-rounded parameters.
+            module = trainer.strategy.precision_plugin.convert_module(module)
+            trainer.fit(module, datamodule=data, ckpt_path=checkpoint)
+            if cfg.trainer.test_tasks:
+                trainer.test(module, datamodule=data, verbose=False)
+    except StoppedAtOnce:
+        if trainer is not None and trainer.strategy.launcher is not None:
+            trainer.strategy.launcher.kill(signal.SIGKILL)  # processes Lightning started would wait for us
+        raise StoppedAtOnce(stopped_at_once(paths)) from None
     summary: dict[str, Any] = {
         key.removeprefix("test/"): float(value)
         for key, value in trainer.callback_metrics.items()
@@ -353,7 +466,7 @@ def run(
         first_outer_step_s=timer.first_outer_step(),
         peak_memory_gib=timer.peak_memory_gib,
         loss_spike_steps=spikes.spike_steps(),
-        wall_time_s=time.perf_counter() - start,
+        wall_time_s=timer.wall_seconds(),
         run_dir=str(paths.root),
     )
     summary.update(module.summary_figures())  # last: a learner may refine a figure (peak_memory_gib)
@@ -370,6 +483,10 @@ OUT_OF_MEMORY = 4
 PREEMPTED = 75
 """Exit status of a run stopped by SIGTERM or SIGUSR1 after writing its checkpoint (75 is EX_TEMPFAIL of
 sysexits.h: a temporary failure, to be retried); resume=RUN continues it."""
+INTERRUPTED = 130
+"""Exit status of a run stopped by Ctrl-C (SIGINT): 128 + 2, what shells report for a command that Ctrl-C
+ended. After one Ctrl-C the run has written its checkpoint (resume=RUN continues it); after a second one
+it stopped at once, keeping its last checkpoint."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -393,6 +510,11 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.print_config:
         print(to_yaml(cfg), end="")
         return 0
+    try:
+        check_run_place(cfg, paths)
+    except RunDirectoryError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     # Synthetic tasks are generated in microseconds: extra loader workers would not help.
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
     # The training stream is indexed by the outer step (StepAlignedSampler): a run resumed from a checkpoint
@@ -402,7 +524,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         summary = run(cfg, paths=paths, checkpoint=checkpoint)
-    except (ConfigError, FileExistsError, CheckpointError) as err:
+    except NothingToDo as err:
+        print(str(err))
+        return 0
+    except (ConfigError, FileExistsError, CheckpointError, RunDirectoryError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except DivergenceError as err:
@@ -414,7 +539,18 @@ def main(argv: list[str] | None = None) -> int:
     except Preempted as err:
         if rank_zero_only.rank == 0:
             print(str(err), file=sys.stderr)
-        return PREEMPTED
+        return INTERRUPTED if err.signal == signal.SIGINT else PREEMPTED
+    except StoppedAtOnce as err:
+        if rank_zero_only.rank == 0:
+            print(str(err), file=sys.stderr)
+        return INTERRUPTED
+    except KeyboardInterrupt:  # Ctrl-C before training started or after it ended: no run state at risk
+        if rank_zero_only.rank == 0:
+            print(
+                "interrupted by Ctrl-C outside training; the run's checkpoint, if any, is as it was",
+                file=sys.stderr,
+            )
+        return INTERRUPTED
     except SIGTERMException:  # Lightning's own handler, in the moment before a stage installs ours
         if rank_zero_only.rank == 0:
             print(

@@ -59,6 +59,11 @@ def recipe_header(path: Path) -> str:
     return "\n".join(lines)
 
 
+def recipe_description(path: Path) -> str:
+    """The first paragraph of a recipe YAML's header (what it trains), as one line."""
+    return " ".join(recipe_header(path).split("\n\n")[0].split())
+
+
 def read_recipe(name: str, recipes: dict[str, Path], _children: tuple[str, ...] = ()) -> DictConfig:
     """The YAML of recipe `name` merged onto the YAML of its `base:` recipe, if it names one (recursively;
     a cycle or an unknown base is a ConfigError)."""
@@ -107,7 +112,8 @@ def _check_choice(kind: type[Choice], value: Any, key: str, where: str) -> None:
 def _check_keys(given: Any, schema: Any, where: str, prefix: str = "") -> None:
     """Raise ConfigError for the first key in `given` (a DictConfig) that `schema` does not have, or
     whose value is not one of its Choice's values. Numbers given for a choice (trainer.precision=32)
-    are turned into the choice's string."""
+    are turned into the choice's string, and a single value given for a list (inner.params=layers.1.*)
+    into a list of that one value."""
     if not isinstance(given, DictConfig) or not isinstance(schema, DictConfig):
         return
     if schema._is_none() and dataclasses.is_dataclass(schema._metadata.ref_type):
@@ -120,6 +126,9 @@ def _check_keys(given: Any, schema: Any, where: str, prefix: str = "") -> None:
                 f"unknown config key {full!r} ({where}){_close_matches(str(key), valid)}\n"
                 f"valid keys{' under ' + prefix.rstrip('.') if prefix else ''}: {', '.join(valid)}"
             )
+        single = not isinstance(given[key], (ListConfig, DictConfig, type(None)))
+        if single and isinstance(schema._get_node(key), ListConfig):
+            given[key] = [given[key]]
         kind = _choice_type(schema._get_node(key))
         if kind is not None:
             value = given[key]
@@ -213,7 +222,8 @@ def load_config(overrides: list[str], *, book: RecipeBook, base: DictConfig | No
     if cli.get("builder", builder) != builder:
         raise ConfigError(f"builder cannot be overridden (the recipe uses {builder!r})")
     cfg = load_structured(schema_class, [(base, source), (cli, "command line")])
-    cfg.optim.schedule_steps = cfg.schedule_steps  # the horizon stays with the run (see its doc)
+    if cfg.optim.schedule_steps is None:  # the horizon stays with the run (see its doc)
+        cfg.optim.schedule_steps = cfg.trainer.max_steps
     return cfg
 
 

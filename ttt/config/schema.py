@@ -101,11 +101,12 @@ class OuterOptimConfig:
     min_lr_ratio: float = 0.1
     """Final learning rate of cosine and linear schedules, as a fraction of lr."""
     schedule_steps: int | None = None
-    """Outer steps the schedule spans (warm-up and decay); null: the first session's trainer.max_steps
-    (filled in when the config is loaded, so the run's config.yaml keeps it). A resume with a larger
-    trainer.max_steps keeps this schedule: past its end the lr stays at its final value (min_lr_ratio *
-    lr; constant: lr), without a jump. optim.schedule_steps=N on resume re-plans the decay over N steps
-    (the lr then moves to the new schedule's value at the current step)."""
+    """Outer steps the schedule spans (warm-up and decay), a length of its own: trainer.max_steps says how
+    long the run trains. Default (null): the first session's trainer.max_steps, filled in when the config
+    is loaded, so the run's config.yaml keeps it. Past its end the lr stays at its final value
+    (min_lr_ratio * lr; constant, or a warm-up that fills the schedule: lr), so a resume with a larger
+    trainer.max_steps continues without a jump. optim.schedule_steps=N on resume re-plans the schedule
+    over N steps; the run says at its start how that moves the lr at the current step."""
     hessian_update_interval: int = 10
     """sophia_h, adahessian: steps between Hessian-diagonal estimates (the first step has one)."""
 
@@ -137,16 +138,20 @@ class TrainerConfig:
     """Outer loop length, task batches, evaluation and the Lightning Trainer options."""
 
     max_steps: int = 300
-    """Outer (meta) optimizer steps."""
+    """Outer (meta) optimizer steps. Any number; the lr schedule has a length of its own
+    (optim.schedule_steps)."""
     max_minutes: float | None = None
     """Stop training after this many minutes even before max_steps (Lightning's max_time), then test;
     the summary's outer_steps says how far it got. Like max_steps it counts the whole run: a resume
     restores the minutes trained so far. null: no time limit."""
     steps_per_epoch: int = 100
-    """Outer steps between validations and checkpoints (one epoch); capped at max_steps."""
+    """Outer steps between validations and checkpoints (one epoch). Any trainer.max_steps works: the last
+    epoch ends at max_steps, shorter when max_steps is not a multiple of this; a run extended after such
+    an epoch completes it, so epochs end at multiples of steps_per_epoch as in an uninterrupted run."""
     checkpoint_every_minutes: float | None = None
     """Also write the run's checkpoint (last.ckpt) at the first outer-step boundary after this many minutes
-    since the last one, within epochs; null: only at epoch ends (and on SIGTERM / SIGUSR1, always)."""
+    since the last one, within epochs; null: only at epoch ends (and on SIGTERM, SIGUSR1 or Ctrl-C,
+    always)."""
     meta_batch_size: int = 8
     """Tasks per outer step and device (N devices: N x meta_batch_size tasks per outer step)."""
     val_tasks: int = 32
@@ -203,12 +208,6 @@ class TrainerConfig:
         for name in ("val_tasks", "test_tasks", "num_workers"):
             if getattr(self, name) < 0:
                 raise ValueError(f"trainer.{name} must be >= 0, got {getattr(self, name)}")
-        self.steps_per_epoch = min(self.steps_per_epoch, self.max_steps)
-        if self.max_steps % self.steps_per_epoch != 0:
-            raise ValueError(
-                f"trainer.max_steps ({self.max_steps}) must be a multiple of trainer.steps_per_epoch "
-                f"({self.steps_per_epoch}): validation and resumable checkpoints happen at epoch ends"
-            )
         self.strategy = Strategy.parse(self.strategy, "trainer.strategy")
         if self.fsdp_cpu_offload and self.strategy != Strategy.fsdp:
             raise ValueError(
@@ -273,8 +272,3 @@ class RecipeConfig:
         if hasattr(self, "inner"):
             return "inner.lr (and inner.grad_clip, inner.steps)"
         return None
-
-    @property
-    def schedule_steps(self) -> int:
-        """Outer steps of the lr schedule: optim.schedule_steps, else trainer.max_steps."""
-        return self.trainer.max_steps if self.optim.schedule_steps is None else self.optim.schedule_steps

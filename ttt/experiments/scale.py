@@ -98,6 +98,8 @@ def measure(overrides: list[str], steps: int, profile: bool = False) -> dict:
     from recipes import load_builder
 
     cfg = load_config(overrides)
+    # The learner trains these steps (its run's length), on the recipe's lr schedule (optim.schedule_steps).
+    cfg.trainer.max_steps = 1 + steps + (1 if profile else 0)
     builder = load_builder(cfg.builder)
     if not hasattr(builder, "build_module"):
         raise SystemExit(f"error: recipe {cfg.recipe} (builder {cfg.builder}) is not a text TTT recipe")
@@ -119,7 +121,7 @@ def measure(overrides: list[str], steps: int, profile: bool = False) -> dict:
     timer = OuterStepTimer(warmup=1)
     profiler = StepProfiler(step=1 + steps) if profile else None
     trainer = pl.Trainer(
-        max_steps=1 + steps + (1 if profile else 0),
+        max_steps=cfg.trainer.max_steps,
         accelerator=cfg.trainer.accelerator,
         devices=1,
         strategy=one_device_strategy(cfg),

@@ -129,7 +129,7 @@ class OptimizerComparisonLearner(OuterLearner):
     """Batches are {"tokens": (B, N) int64}; both models read the whole batch in one pass.
 
     model: the initial model (copied once per optimizer). optim: the Hessian optimizer (sophia_h or
-    adahessian); compare: the baseline and the Hessian estimate. total_steps: schedule length. seed:
+    adahessian); compare: the baseline and the Hessian estimate. total_steps: the run's length. seed:
     seeds the Rademacher probes. One process (no ddp: recipes/sophia_lm.py refuses it)."""
 
     progress_metric = "loss"
@@ -278,7 +278,7 @@ class OptimizerComparisonLearner(OuterLearner):
         baseline = outer_optimizers(
             list(self.models[self.baseline_name].parameters()),
             self.optim_cfgs[self.baseline_name],
-            self.total_steps,
+            self.schedule_steps(self.optim_cfgs[self.baseline_name]),
         )
         self.baseline_optimizer = baseline["optimizer"]
         self.baseline_schedule = baseline["lr_scheduler"]["scheduler"]
@@ -287,7 +287,7 @@ class OptimizerComparisonLearner(OuterLearner):
             self.baseline_schedule.load_state_dict(self._baseline_state["schedule"])
             self._baseline_state = None
         hessian = self.models[self.hessian_name]
-        return outer_optimizers(list(hessian.parameters()), self.optim_cfg, self.total_steps)
+        return outer_optimizers(list(hessian.parameters()), self.optim_cfg, self.schedule_steps())
 
     # ---- evaluation -------------------------------------------------------------------------------
 

@@ -65,7 +65,10 @@ class OuterLearner(pl.LightningModule):
     progress_metric = "outer_loss"
     """The pass metric shown in the progress bar (not logged to files under this bare name)."""
 
-    def __init__(self, optim: OuterOptimConfig, total_steps: int):
+    def __init__(self, optim: OuterOptimConfig, total_steps: int | None = None):
+        """optim: the outer optimizer and its lr schedule. total_steps: the outer steps the run trains, which
+        must be the Trainer's max_steps (None: taken from the Trainer); the schedule spans them unless
+        optim.schedule_steps gives it a length of its own (`schedule_steps`)."""
         super().__init__()
         self.automatic_optimization = False
         self.optim_cfg, self.total_steps = optim, total_steps
@@ -118,6 +121,33 @@ class OuterLearner(pl.LightningModule):
         from .loading import load_learner  # it builds on this module
 
         return load_learner(cls, checkpoint_path, map_location=map_location, strict=strict, **kwargs)
+
+    def schedule_steps(self, optim: OuterOptimConfig | None = None) -> int:
+        """Outer steps the lr schedule of `optim` (None: the learner's) spans: its schedule_steps, else the
+        run's length (`total_steps`, or the attached Trainer's max_steps). Raises ValueError when
+        total_steps and the Trainer's max_steps disagree (the schedule would end early or never), or when
+        neither is known."""
+        optim = self.optim_cfg if optim is None else optim
+        try:
+            trainer_steps = self.trainer.max_steps
+        except RuntimeError:  # not attached to a Trainer
+            trainer_steps = -1
+        if self.total_steps is not None and trainer_steps not in (-1, self.total_steps):
+            raise ValueError(
+                f"{type(self).__name__}(total_steps={self.total_steps}) but the Trainer's max_steps is "
+                f"{trainer_steps}: total_steps is the run's length, over which the lr schedule runs; pass "
+                f"total_steps={trainer_steps} (or None: the Trainer's), and give the schedule a length of "
+                "its own with OuterOptimConfig(schedule_steps=N) (optim.schedule_steps)"
+            )
+        if optim.schedule_steps is not None:
+            return optim.schedule_steps
+        steps = self.total_steps if self.total_steps is not None else trainer_steps
+        if steps == -1:
+            raise ValueError(
+                f"{type(self).__name__} needs the lr schedule's length: pass total_steps, build the Trainer "
+                "with max_steps, or set OuterOptimConfig(schedule_steps=N)"
+            )
+        return steps
 
     def split_passes(self, batch: dict[str, torch.Tensor]) -> list[Any]:
         """The passes of a batch, each backpropagated before the next is computed. Override this."""
@@ -226,5 +256,27 @@ class OuterLearner(pl.LightningModule):
     def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         self.log_evaluation("test", self.evaluate(batch), self.batch_size(batch))
 
+    def configure_callbacks(self) -> list[pl.Callback]:
+        """No callbacks. Refuses the Trainer options that manual optimization cannot honour, naming what to
+        use instead, before Lightning refuses them with advice no learner here can follow (switch to
+        automatic optimization): this is the first hook Lightning calls with the Trainer attached."""
+        trainer = self.trainer
+        if trainer.state.fn != "fit":
+            return []
+        if trainer.gradient_clip_val:
+            raise ValueError(
+                f"pl.Trainer(gradient_clip_val={trainer.gradient_clip_val}) does not apply to "
+                f"{type(self).__name__}, which clips its outer gradient itself: set "
+                f"OuterOptimConfig(grad_clip={trainer.gradient_clip_val}) (optim.grad_clip, the global L2 "
+                "norm; null: no clipping) and leave gradient_clip_val unset"
+            )
+        if trainer.accumulate_grad_batches != 1:
+            raise ValueError(
+                f"pl.Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) does not apply to "
+                f"{type(self).__name__}, which takes one outer step per batch and backpropagates its passes "
+                "one at a time: a larger batch (trainer.meta_batch_size) averages over more tasks"
+            )
+        return []
+
     def configure_optimizers(self) -> dict[str, Any]:
-        return outer_optimizers(outer_param_groups(self), self.optim_cfg, self.total_steps)
+        return outer_optimizers(outer_param_groups(self), self.optim_cfg, self.schedule_steps())

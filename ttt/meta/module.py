@@ -59,7 +59,15 @@ def _is_array(value) -> bool:
 class MetaLearner(OuterLearner):
     """Meta-learns `model`'s initial weights (and, with Meta-SGD, the inner lrs) through `InnerLoop`."""
 
-    def __init__(self, model: nn.Module, inner: InnerLoopConfig, optim: OuterOptimConfig, total_steps: int):
+    def __init__(
+        self,
+        model: nn.Module,
+        inner: InnerLoopConfig,
+        optim: OuterOptimConfig,
+        total_steps: int | None = None,
+    ):
+        """model: the network whose initial weights are meta-learned; inner: the inner loop; optim and
+        total_steps: the outer optimizer and the run's length (`OuterLearner`)."""
         super().__init__(optim, total_steps)
         self.model = model
         self.inner_cfg = inner

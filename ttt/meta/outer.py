@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
@@ -16,15 +17,70 @@ from .sharding import clip_sharded_gradients
 
 
 def lr_multiplier(step: int, *, cfg: OuterOptimConfig, total_steps: int) -> float:
-    """Factor applied to optim.lr at outer step `step` (0 for the first): linear warm-up (from 0 with
-    optim.warmup_from_zero), then the configured decay."""
+    """Factor applied to optim.lr at outer step `step` (0 for the first) of a schedule of `total_steps`
+    outer steps: linear warm-up over optim.warmup_steps (from 0 with optim.warmup_from_zero), then the
+    configured decay, which reaches min_lr_ratio at total_steps. Continuous in `step`: past total_steps
+    the factor stays at its final value, and a warm-up that fills the schedule (warmup_steps >=
+    total_steps) leaves no decay (1 after the warm-up)."""
     if step < cfg.warmup_steps:
         return (step if cfg.warmup_from_zero else step + 1) / cfg.warmup_steps
-    if cfg.scheduler == "constant":
+    if cfg.scheduler == "constant" or total_steps <= cfg.warmup_steps:
         return 1.0
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+    progress = min(1.0, (step - cfg.warmup_steps) / (total_steps - cfg.warmup_steps))
     decay = 1.0 - progress if cfg.scheduler == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
     return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * decay
+
+
+def describe_lr_schedule(cfg: OuterOptimConfig, total_steps: int) -> str:
+    """One line saying what the outer lr does over a schedule of `total_steps` outer steps (ttt.train
+    prints it as a run starts), naming the keys; says so when the warm-up leaves no steps for the decay."""
+    warmup = ""
+    if cfg.warmup_steps:
+        warmup = f"linear warm-up over {cfg.warmup_steps} outer steps to {cfg.lr:g}, then "
+    if cfg.scheduler == "constant":
+        return f"lr schedule: {warmup}constant {cfg.lr:g}"
+    if total_steps <= cfg.warmup_steps:
+        return (
+            f"lr schedule: {warmup}constant: optim.warmup_steps={cfg.warmup_steps} fills the whole schedule "
+            f"(optim.schedule_steps={total_steps}), which leaves no steps for its {cfg.scheduler} decay; "
+            f"for a decay, set optim.schedule_steps above {cfg.warmup_steps} (the outer steps that warm-up "
+            "and decay span together)"
+        )
+    final = cfg.lr * cfg.min_lr_ratio
+    return (
+        f"lr schedule: {warmup}{cfg.scheduler} decay to {final:g} at outer step {total_steps} "
+        f"(optim.schedule_steps={total_steps}), {final:g} after it"
+    )
+
+
+def lr_schedule_notes(
+    cfg: OuterOptimConfig, max_steps: int, checkpoint: Mapping[str, Any] | None = None
+) -> list[str]:
+    """What the outer lr does in a session that trains up to outer step `max_steps` under `cfg` (whose
+    schedule_steps is set), for ttt.train to print as it starts: the schedule (`describe_lr_schedule`);
+    for a resume from `checkpoint` (a Lightning checkpoint dict), how this schedule moves the lr at the step
+    it resumes from, if it does; and the steps that run past the schedule's end."""
+    notes, start = [describe_lr_schedule(cfg, cfg.schedule_steps)], 0
+    if checkpoint is not None:
+        start = int(checkpoint["global_step"])
+        saved = (checkpoint.get("lr_schedulers") or [{}])[0]
+        if "_last_lr" in saved and "base_lrs" in saved:
+            was = float(saved["_last_lr"][0])
+            now = float(saved["base_lrs"][0]) * lr_multiplier(start, cfg=cfg, total_steps=cfg.schedule_steps)
+            if not math.isclose(was, now, rel_tol=1e-6):
+                notes.append(
+                    f"this resume changes the lr schedule: at outer step {start} the lr moves from {was:g} "
+                    f"(the run's schedule) to {now:g}"
+                )
+    end = max(cfg.schedule_steps, start)
+    decays = cfg.scheduler != "constant" and cfg.schedule_steps > cfg.warmup_steps
+    if decays and max_steps > end:
+        final = cfg.lr * lr_multiplier(end, cfg=cfg, total_steps=cfg.schedule_steps)
+        notes.append(
+            f"outer steps {end}-{max_steps - 1} run past the lr schedule's end at its final lr {final:g} "
+            f"(optim.schedule_steps={cfg.schedule_steps}; a larger value re-plans the decay)"
+        )
+    return notes
 
 
 def outer_param_groups(module: torch.nn.Module) -> list[torch.nn.Parameter] | list[dict[str, Any]]:

@@ -1,4 +1,5 @@
-"""`EpochEndCheckpoint`: the one checkpoint a run keeps, rewritten at the end of every epoch; and
+"""`EpochEndCheckpoint`: the one checkpoint a run keeps, rewritten at the end of every epoch;
+`LastEpochEndsAtMaxSteps`, which gives a run's shorter last epoch its validation and checkpoint; and
 `LogStepAlignment`, which keeps a resumed run's logged steps equal to its outer steps."""
 
 from __future__ import annotations
@@ -27,6 +28,18 @@ class EpochEndCheckpoint(pl.Callback):
         if trainer.global_step == self._saved_at:
             return
         trainer.save_checkpoint(self.path, weights_only=False)
+
+
+class LastEpochEndsAtMaxSteps(pl.Callback):
+    """Ends the epoch in progress when the run reaches trainer.max_steps, so that a last epoch shorter than
+    the others (max_steps not a multiple of the epoch's length) validates and saves like every other
+    epoch: Lightning would stop it mid-epoch, without validation, on reaching max_steps."""
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx
+    ) -> None:
+        if trainer.global_step >= trainer.max_steps > 0:
+            trainer.should_stop = True  # Lightning then validates, and ends the epoch (EpochEndCheckpoint)
 
 
 class LogStepAlignment(pl.Callback):

@@ -1,10 +1,11 @@
 """Overlay logged metrics of several runs against the outer step or the training time.
 
-    python -m ttt.tracking.curves RUN_DIR [RUN_DIR ...] --out DIR [--metric NAME ...] [--x step|time]
+    python -m ttt.tracking.curves RUN_DIR [RUN_DIR ...] [--out DIR] [--metric NAME ...] [--x step|time]
 
 Reads every session's logs/version_*/metrics.csv of each run (`report.read_logged_metrics`) and
 writes DIR/curves.png (one panel per metric, one line per run) and DIR/curves.md (per run and
-metric: the last logged value and its step and training time). `--x time` draws against the
+metric: the last logged value and its step and training time); DIR defaults to the run directory when
+there is one run, and must be given for several. `--x time` draws against the
 training seconds the run logged (`train/time_s`, outer steps only: validation and checkpoints are
 left out), so runs are compared at equal training time; each metric's step is placed on the time
 axis by interpolating the run's (step, time) points. A run is named by its directory's name.
@@ -19,11 +20,13 @@ from pathlib import Path
 
 import numpy as np
 
+from .atomic import atomic_write_text
+from .directory import RunDirectoryError, check_writable
 from .report import new_figure, read_logged_metrics, save_figure
 from .timing import OuterStepTimer
 
 DEFAULT_METRICS = ("val/query_acc_adapted", "val/query_loss_adapted")
-"""Drawn when no --metric is given (recall and query loss of the MAML recipes)."""
+"""Drawn when no --metric is given (recall and query loss of the MAML recipes), those that a run logged."""
 X_AXES = ("step", "time")
 
 
@@ -46,8 +49,9 @@ Curves = dict[str, dict[str, list[tuple[float, float]]]]
 """Run name -> metric -> [(x, value)]."""
 
 
-def load_runs(run_dirs: list[Path], metrics: list[str], x: str) -> Curves:
-    """Run name -> metric -> [(x, value)] finite points, x the step or the training seconds."""
+def load_runs(run_dirs: list[Path], metrics: list[str], x: str, *, only_logged: bool = False) -> Curves:
+    """Run name -> metric -> [(x, value)] finite points, x the step or the training seconds. A metric that
+    no run logged is an error, or, with `only_logged`, left out (an error if that leaves none)."""
     runs = {}
     for run_dir in run_dirs:
         if not (run_dir / "logs").is_dir():
@@ -61,12 +65,13 @@ def load_runs(run_dirs: list[Path], metrics: list[str], x: str) -> Curves:
                 points = [(float(np.interp(step, *clock)), value) for step, value in points]
             curves[metric] = points
         runs[run_dir.name] = curves
-    for metric in metrics:
-        if not any(curves[metric] for curves in runs.values()):
-            raise ValueError(
-                f"no run logged {metric!r}; names look like val/query_acc_adapted or train/outer_loss"
-            )
-    return runs
+    missing = [metric for metric in metrics if not any(curves[metric] for curves in runs.values())]
+    if missing and (not only_logged or len(missing) == len(metrics)):
+        raise ValueError(
+            f"no run logged {' or '.join(repr(metric) for metric in missing)}; names look like "
+            "val/query_acc_adapted or train/outer_loss (--metric NAME)"
+        )
+    return {name: {m: curves[m] for m in metrics if m not in missing} for name, curves in runs.items()}
 
 
 def plot_curves(path: Path, runs: Curves, x: str) -> None:
@@ -99,28 +104,49 @@ def markdown_table(runs: Curves, x: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def output_directory(out: Path | None, run_dirs: list[Path]) -> Path:
+    """Where curves.png and curves.md go: `out`, else the one run's directory. ValueError when several
+    runs are given without `out`, RunDirectoryError when the directory cannot be written."""
+    if out is None:
+        if len(run_dirs) > 1:
+            raise ValueError(
+                f"--out DIR is needed to overlay {len(run_dirs)} runs (it defaults to the run directory "
+                "only when there is one run)"
+            )
+        out = run_dirs[0]
+    check_writable(out, f"--out {out}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Entry point of `python -m ttt.tracking.curves`; returns the exit status (2: bad arguments or runs)."""
     parser = argparse.ArgumentParser(
         prog="python -m ttt.tracking.curves", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("run_dirs", nargs="+", type=Path, help="run directories written by ttt.train")
-    parser.add_argument("--out", type=Path, required=True, help="directory for curves.png and curves.md")
     parser.add_argument(
-        "--metric", action="append", help=f"logged metric (repeatable); default {DEFAULT_METRICS}"
+        "--out", type=Path, help="directory for curves.png and curves.md; default: the run's (one run)"
+    )
+    parser.add_argument(
+        "--metric",
+        action="append",
+        help=f"logged metric (repeatable); default: those of {DEFAULT_METRICS} that a run logged",
     )
     parser.add_argument(
         "--x", choices=X_AXES, default="step", help="horizontal axis: outer step or training time"
     )
     args = parser.parse_args(argv)
     try:
-        runs = load_runs(args.run_dirs, args.metric or list(DEFAULT_METRICS), args.x)
-    except (ValueError, FileNotFoundError) as err:
+        metrics = args.metric or list(DEFAULT_METRICS)
+        runs = load_runs(args.run_dirs, metrics, args.x, only_logged=args.metric is None)
+        out = output_directory(args.out, args.run_dirs)
+    except (ValueError, FileNotFoundError, RunDirectoryError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    args.out.mkdir(parents=True, exist_ok=True)
-    plot_curves(args.out / "curves.png", runs, args.x)
-    (args.out / "curves.md").write_text(markdown_table(runs, args.x))
-    print(f"wrote {args.out / 'curves.png'} and {args.out / 'curves.md'}")
+    out.mkdir(parents=True, exist_ok=True)
+    plot_curves(out / "curves.png", runs, args.x)
+    atomic_write_text(out / "curves.md", markdown_table(runs, args.x))
+    print(f"wrote {out / 'curves.png'} and {out / 'curves.md'}")
     return 0
 
 

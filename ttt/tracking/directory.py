@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,14 +46,43 @@ class RunPaths:
         return self.root / "summary.json"
 
 
+class RunDirectoryError(ValueError):
+    """A run directory, or the place for a new one, where the run cannot write; the message names the path
+    and the key that chose it."""
+
+
+def check_writable(path: str | os.PathLike, what: str, hint: str = "") -> None:
+    """Raise RunDirectoryError (its message starts with `what`, e.g. "run.root=runs", and ends with `hint`)
+    unless this process may create files in the directory `path` or, where it does not exist yet, in the
+    nearest directory above it (in which it would be created). Asks the system (os.access, which also
+    reports a read-only file system to root) rather than trying, so that nothing, not even a directory's
+    modification time, changes."""
+    hint = f"; {hint}" if hint else ""
+    place = Path(path).absolute()
+    while not place.exists() and place != place.parent:
+        place = place.parent
+    if not place.is_dir():
+        raise RunDirectoryError(f"{what}: {place} is a file, not a directory{hint}")
+    if not os.access(place, os.W_OK | os.X_OK):
+        read_only = os.statvfs(place).f_flag & os.ST_RDONLY
+        reason = "a read-only file system" if read_only else "no write permission"
+        raise RunDirectoryError(f"{what}: cannot write in {place} ({reason}){hint}")
+
+
 def new_run_dir(root: str, name: str | None, recipe: str) -> RunPaths:
-    """Create a fresh run directory root/name (default name: <recipe>-<UTC time>); refuse to reuse one."""
+    """Create a fresh run directory root/name (default name: <recipe>-<UTC time>); refuse to reuse one
+    (FileExistsError). RunDirectoryError, naming run.root, when the file system refuses to create it."""
     if name is None:
         name = f"{recipe}-{dt.datetime.now(dt.timezone.utc).strftime('%Y%m%d-%H%M%S-%f')}"
     path = Path(root) / name
     if path.exists() and any(path.iterdir()):
         raise FileExistsError(f"run directory {path} already exists; pick another run.name or resume={path}")
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:  # what `check_writable` could not foresee (a file system refusing directories)
+        raise RunDirectoryError(
+            f"run.root={root}: cannot create the run directory {path} ({err.strerror or err})"
+        ) from err
     return RunPaths(path)
 
 

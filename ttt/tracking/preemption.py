@@ -1,7 +1,9 @@
-"""Runs that survive preemption: a signal (SIGTERM, SIGUSR1) or a clock (trainer.checkpoint_every_minutes)
-makes the run write its checkpoint at the next outer-step boundary; after a signal it then stops.
+"""Runs that survive preemption: a signal (SIGTERM, SIGUSR1, or SIGINT: Ctrl-C) or a clock
+(trainer.checkpoint_every_minutes) makes the run write its checkpoint at the next outer-step boundary;
+after a signal it then stops. A second Ctrl-C stops it at once, without saving (`StoppedAtOnce`).
 
-    signal arrives (any process)       -> `PreemptionSignals` notes it; nothing else happens in the handler
+    signal arrives (any process)       -> `PreemptionSignals` notes it (a first Ctrl-C also says on stderr
+                                          what follows); nothing else happens in the handler
     end of every outer step            -> every process says whether it got a signal and whether its clock
                                           is due; one all-reduce (a sum) makes them agree
     a signal, mid-epoch                -> last.ckpt written (atomically, through the Trainer's checkpoint
@@ -13,16 +15,21 @@ makes the run write its checkpoint at the next outer-step boundary; after a sign
     a signal during the final test     -> `Preempted` at the next test batch (training had finished and
                                           saved; resuming runs the test again)
     the clock is due, mid-epoch        -> last.ckpt written, training goes on
+    Ctrl-C after a signal was noted    -> the handler raises `StoppedAtOnce` wherever the run is: it stops
+                                          without saving, its last checkpoint kept as it was
 
 The state saved at an outer-step boundary is the whole training state (parameters, optimizer, schedule,
 loop counters, callback states); the training data of outer step s are tasks [s * G, (s + 1) * G) of the
 seeded stream (`ttt.meta.data.StepAlignedSampler`), so a resumed run continues exactly where the
-interrupted one stopped. `ttt.train` turns `Preempted` into the exit status `PREEMPTED` (75).
+interrupted one stopped. `ttt.train` turns `Preempted` into the exit status `PREEMPTED` (75), or
+`INTERRUPTED` (130) after Ctrl-C.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import signal
 import threading
 import time
@@ -31,35 +38,77 @@ from types import FrameType
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities import rank_zero_only
 
 from .atomic import atomic_write_text
 from .directory import RunPaths
 from .divergence import DivergenceGuard
 
-PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 """Signals that make a run checkpoint and stop: SIGTERM (what Kubernetes, torchrun and SLURM send before
-killing a job) and SIGUSR1 (what SLURM's --signal=USR1@SECONDS is usually set to send ahead of the time
-limit)."""
+killing a job), SIGUSR1 (what SLURM's --signal=USR1@SECONDS is usually set to send ahead of the time
+limit) and SIGINT (Ctrl-C in the terminal; a second one stops the run at once)."""
+STDERR = 2
+"""File descriptor of the process's standard error."""
+FIRST_CTRL_C = (
+    "\nCtrl-C: the run writes its checkpoint at the next outer step and stops "
+    "(Ctrl-C again stops it at once, without saving)\n"
+)
 
 
 class Preempted(Exception):
     """The run stopped on a signal after its checkpoint was written; the message says which signal, at
-    which outer step, where the checkpoint is and how to continue."""
+    which outer step, where the checkpoint is and how to continue. `signal`: that signal (None: one that
+    another process of the run received)."""
+
+    def __init__(self, message: str, received: signal.Signals | None = None):
+        super().__init__(message)
+        self.signal = received
+
+
+class StoppedAtOnce(BaseException):
+    """A second Ctrl-C: raised by the signal handler wherever the run is, which stops without saving. A
+    BaseException like KeyboardInterrupt, so that no `except Exception` on the way catches it, but not a
+    KeyboardInterrupt, which Lightning answers with a message of its own and exit status 1."""
+
+
+def stopped_at_once(paths: RunPaths) -> str:
+    """What a run stopped by a second Ctrl-C leaves behind: its last checkpoint and how to continue from it,
+    or that it has none yet."""
+    if paths.last_checkpoint.is_file():
+        return (
+            f"stopped at once by a second Ctrl-C: nothing was saved after the checkpoint "
+            f"{paths.last_checkpoint}; continue from it with: python -m ttt.train resume={paths.root}"
+        )
+    return (
+        f"stopped at once by a second Ctrl-C, before the run wrote its first checkpoint (at its first epoch "
+        f"end): {paths.root} holds nothing to resume"
+    )
 
 
 class PreemptionSignals:
-    """Notes the first preemption signal that arrives. `install()` makes it the handler of `signals`
-    (main thread only: Python runs handlers there) and remembers the handlers it replaced; `restore()`
-    puts them back. As a context manager: installed inside the `with` block."""
+    """Notes the first preemption signal that arrives (a first Ctrl-C also says on stderr what happens
+    next); a Ctrl-C after it raises `StoppedAtOnce`. `install()` makes it the handler of `signals` (main
+    thread only: Python runs handlers there) and remembers the handlers it replaced; `restore()` puts them
+    back. As a context manager: installed inside the `with` block."""
 
     def __init__(self, signals: Sequence[signal.Signals] = PREEMPTION_SIGNALS):
         self.signals = tuple(signals)
         self.received: signal.Signals | None = None
         self._replaced: dict[signal.Signals, object] = {}
+        self._pid = os.getpid()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.received is None:
-            self.received = signal.Signals(signum)
+        if os.getpid() != self._pid:  # a data loader worker forked with this handler: the run decides
+            return
+        if self.received is not None:
+            if signum == signal.SIGINT:
+                raise StoppedAtOnce
+            return
+        self.received = signal.Signals(signum)
+        if signum == signal.SIGINT and rank_zero_only.rank == 0:
+            with contextlib.suppress(OSError):  # os.write, not print: the handler may interrupt a print
+                os.write(STDERR, FIRST_CTRL_C.encode())
 
     def install(self) -> None:
         """Handle `signals` here (again: Lightning registers handlers of its own when a stage starts)."""
@@ -169,13 +218,16 @@ class StepBoundaryCheckpoint(pl.Callback):
             self._preempted(trainer, " (training had finished; the test runs again on resume)")
 
     def _preempted(self, trainer: pl.Trainer, which: str) -> None:
-        name = self.signals.received.name if self.signals.received is not None else "another process's signal"
+        received = self.signals.received
+        name = received.name if received is not None else "another process's signal"
         step = trainer.global_step
         if trainer.is_global_zero:
             checkpoint = self.paths.last_checkpoint.relative_to(self.paths.root)
             record = {"signal": name, "outer_step": step, "checkpoint": str(checkpoint)}
             atomic_write_text(self.paths.preempted, json.dumps(record, indent=2) + "\n")
+        how = "interrupted by SIGINT (Ctrl-C)" if received == signal.SIGINT else f"preempted by {name}"
         raise Preempted(
-            f"preempted by {name} at outer step {step}: checkpoint {self.paths.last_checkpoint}{which}; "
-            f"continue with: python -m ttt.train resume={self.paths.root}"
+            f"{how} at outer step {step}: checkpoint {self.paths.last_checkpoint}{which}; "
+            f"continue with: python -m ttt.train resume={self.paths.root}",
+            received,
         )

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from .atomic import atomic_write_text
+from .directory import RunPaths
 
 
 def finite_or_name(value: Any) -> Any:
@@ -34,6 +35,18 @@ def strict_json(value: Any, **dumps_kwargs: Any) -> str:
 def write_summary(path: Path, summary: dict[str, Any]) -> None:
     """Write the summary dict as indented strict JSON (`strict_json`), atomically."""
     atomic_write_text(path, strict_json(summary, indent=2, sort_keys=True) + "\n")
+
+
+def finished_at(paths: RunPaths, outer_step: int) -> bool:
+    """Whether the run in `paths` finished after `outer_step` outer steps: its summary.json (readable JSON)
+    reports them, and no preemption mark (preempted.json) came after it."""
+    if paths.preempted.exists():
+        return False
+    try:
+        summary = json.loads(paths.summary.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(summary, dict) and summary.get("outer_steps") == outer_step
 
 
 def _cell(value: Any) -> str:

@@ -149,7 +149,6 @@ def test_mistyped_keys_suggest_the_close_match_and_list_the_valid_keys():
         ("model.attention=flash", "flashbob"),
         ("inner.optimizer=rmsprop", "inner.optimizer"),
         ("model.window=64", "task.filler_len"),
-        ("trainer.max_steps=250", "multiple of trainer.steps_per_epoch"),
         ("trainer.max_minutes=0", "trainer.max_minutes"),
         ("builder=maml_sinusoid", "builder"),
         ("inner.params=[nothing.*]", "nothing"),
@@ -191,6 +190,22 @@ def test_choices_compare_format_and_save_as_their_strings(tmp_path):
     assert load_config([], base=OmegaConf.load(tmp_path / "config.yaml")) == cfg
     with pytest.raises(ValueError, match="inner.optimizer must be one of sgd, momentum, adam; got 'rmsprop'"):
         InnerLoopConfig(optimizer="rmsprop")
+
+
+@pytest.mark.parametrize("max_steps", [250, 20])
+def test_any_max_steps_is_accepted_and_leaves_the_epoch_length_as_given(max_steps):
+    """maml_longctx's trainer.steps_per_epoch=100 stays 100 (the last epoch is shorter), and the lr
+    schedule's length is its own key."""
+    trainer = load_config(["recipe=maml_longctx", f"trainer.max_steps={max_steps}"]).trainer
+    assert (trainer.max_steps, trainer.steps_per_epoch) == (max_steps, 100)
+    explicit = ["recipe=maml_longctx", f"trainer.max_steps={max_steps}", "optim.schedule_steps=300"]
+    assert load_config(explicit).optim.schedule_steps == 300
+
+
+def test_a_list_key_takes_a_single_value():
+    cfg = load_config(["recipe=maml_longctx", "inner.params=layers.1.mlp.*"])
+    assert cfg.inner.params == ["layers.1.mlp.*"]
+    assert load_config(["recipe=maml_sinusoid", "model.hidden_sizes=16"]).model.hidden_sizes == [16]
 
 
 def test_overrides_must_be_key_value():

@@ -1,6 +1,7 @@
 """Preemption: a run sent SIGTERM or SIGUSR1 (from outside, at a chosen point) writes its checkpoint at the
-next outer-step boundary and exits with status 75, its run directory saying so in preempted.json; resumed,
-it reaches exactly the state of the uninterrupted run (parameters, Adam's moments, the schedule, the logged
+next outer-step boundary and exits with status 75 (Ctrl-C, SIGINT: 130), its run directory saying so in
+preempted.json; a second Ctrl-C stops it at once. Resumed, it reaches exactly the state of the
+uninterrupted run (parameters, Adam's moments, the schedule, the logged
 losses of every step). Kill points are outer steps drawn at random (seeded, so a failure replays), an
 epoch's validation and the final test; one process, and 2 processes (gloo, ddp and fsdp) with the signal
 sent to rank 1 only. Each run is a subprocess of maml_sinusoid at toy size (7 s, 25 s with 2 processes)."""
@@ -20,7 +21,8 @@ import torch
 from test_ddp import REPO, launch, train_losses
 
 import ttt.train
-from ttt.train import PREEMPTED, main
+from ttt.tracking import StepBoundaryCheckpoint
+from ttt.train import INTERRUPTED, PREEMPTED, main
 
 SCRIPT = Path(__file__).with_name("preempt_at.py")
 SIX_STEPS = [
@@ -45,10 +47,12 @@ KILL_STEPS = random.Random(30).sample(range(6), 2)
 """Completed outer steps at which the signal arrives (the step after them is then in progress)."""
 
 
-def preempt_and_resume(cwd: Path, where: str, step: int, *, rank: int = 0, sig=signal.SIGTERM, extra=()):
+def preempt_and_resume(
+    cwd: Path, where: str, step: int, *, rank: int = 0, sig=signal.SIGTERM, status=PREEMPTED, extra=()
+):
     """Run SIX_STEPS into cwd/runs/run, send `sig` to the process of global rank `rank` when it reaches
-    `where` after `step` outer steps (preempt_at.py), expect exit status 75, then resume it to the end.
-    Returns (the run directory, preempted.json, the preempted session's stderr)."""
+    `where` after `step` outer steps (preempt_at.py), expect exit status `status`, then resume it to the
+    end. Returns (the run directory, preempted.json, the preempted session's stderr)."""
     pidfile = cwd / "pid"
     command = [sys.executable, str(SCRIPT), where, str(step), str(rank), str(pidfile), *SIX_STEPS, *extra]
     env = {key: value for key, value in os.environ.items() if key not in ("MASTER_PORT", "TTT_RUN_DIR")}
@@ -63,7 +67,7 @@ def preempt_and_resume(cwd: Path, where: str, step: int, *, rank: int = 0, sig=s
         time.sleep(0.05)
     os.kill(int(pidfile.read_text()), sig)
     stderr = process.communicate(timeout=120)[1]
-    assert process.returncode == PREEMPTED, stderr[-3000:]
+    assert process.returncode == status, stderr[-3000:]
     run = cwd / "runs" / "run"
     record = json.loads((run / "preempted.json").read_text())
     assert not (run / "summary.json").exists()
@@ -129,6 +133,65 @@ def test_sigterm_at_a_random_step_then_resume_equals_the_uninterrupted_run(step,
     }
     assert f"preempted by SIGTERM at outer step {step + 1}" in stderr
     assert "continue with: python -m ttt.train resume=runs/run" in stderr
+    assert_same_training(run, uninterrupted())
+
+
+def test_ctrl_c_saves_at_the_next_step_and_says_how_to_resume(uninterrupted, tmp_path):
+    step = KILL_STEPS[0]
+    run, record, stderr = preempt_and_resume(tmp_path, "step", step, sig=signal.SIGINT, status=INTERRUPTED)
+    assert record == {"signal": "SIGINT", "outer_step": step + 1, "checkpoint": "checkpoints/last.ckpt"}
+    assert "Ctrl-C: the run writes its checkpoint at the next outer step and stops" in stderr
+    assert f"interrupted by SIGINT (Ctrl-C) at outer step {step + 1}" in stderr
+    assert "continue with: python -m ttt.train resume=runs/run" in stderr
+    assert "KeyboardInterrupt" not in stderr
+    assert_same_training(run, uninterrupted())
+
+
+class _CtrlCTwice(pl.Callback):
+    """Presses Ctrl-C twice as an outer step starts after `step` completed ones, as an impatient user would:
+    the second press once the first has been noted. The second stops the run in the middle of this
+    callback."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step != self.step:
+            return
+        (boundary,) = [cb for cb in trainer.callbacks if isinstance(cb, StepBoundaryCheckpoint)]
+        os.kill(os.getpid(), signal.SIGINT)
+        deadline = time.monotonic() + 10
+        while boundary.signals.received is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(10)
+        raise AssertionError("a second Ctrl-C did not stop the run")
+
+
+def test_a_second_ctrl_c_stops_at_once_and_keeps_the_last_checkpoint(
+    uninterrupted, tmp_path, monkeypatch, capsys
+):
+    """Ctrl-C twice as the second epoch starts, after the epoch-end checkpoint of step 3: the run stops there
+    with status 130 and the command that resumes it, without finishing the step and saving its checkpoint
+    at step 4 (what a single Ctrl-C does)."""
+    make_trainer = ttt.train.make_trainer
+
+    def impatient_trainer(*args, **kwargs):
+        trainer = make_trainer(*args, **kwargs)
+        trainer.callbacks.append(_CtrlCTwice(3))
+        return trainer
+
+    monkeypatch.setattr(ttt.train, "make_trainer", impatient_trainer)
+    run = tmp_path / "run"
+    assert main([*SIX_STEPS, f"run.root={tmp_path}", "run.name=run"]) == INTERRUPTED
+    err = capsys.readouterr().err
+    assert f"stopped at once by a second Ctrl-C: nothing was saved after the checkpoint {run}" in err
+    assert f"continue from it with: python -m ttt.train resume={run}" in err
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 3
+    assert not (run / "preempted.json").exists() and not list(run.rglob("*.tmp"))
+    monkeypatch.setattr(ttt.train, "make_trainer", make_trainer)
+    assert main([f"resume={run}"]) == 0
     assert_same_training(run, uninterrupted())
 
 

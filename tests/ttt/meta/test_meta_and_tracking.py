@@ -1,5 +1,6 @@
 """MetaLearner used directly (a user subclass, evaluation, schedules) and the run-tracking helpers."""
 
+import dataclasses
 import json
 
 import lightning.pytorch as pl
@@ -102,6 +103,60 @@ def test_warm_up_from_zero_is_optax_linear_warm_up_then_cosine_to_the_floor():
     cfg = OuterOptimConfig(warmup_steps=480, warmup_from_zero=True, min_lr_ratio=1e-5 / 3e-3)
     lr = [3e-3 * lr_multiplier(s, cfg=cfg, total_steps=4800) for s in (0, 1, 479, 480, 2640, 4799, 6000)]
     assert lr == pytest.approx([0.0, 6.25e-6, 2.99375e-3, 3e-3, 1.505e-3, 1.0000395e-5, 1e-5], rel=1e-6)
+
+
+@pytest.mark.parametrize("scheduler", ["cosine", "linear"])
+def test_lr_schedules_never_jump_past_their_end_or_a_warm_up_that_fills_them(scheduler):
+    """Past the schedule's end the factor stays at its final value; a warm-up as long as the schedule (or
+    longer) leaves no decay, so the factor stays at 1 after it instead of dropping to min_lr_ratio."""
+    cfg = OuterOptimConfig(scheduler=scheduler, warmup_steps=4, min_lr_ratio=0.1)
+    for total in (3, 4):
+        got = [lr_multiplier(step, cfg=cfg, total_steps=total) for step in range(9)]
+        assert got == pytest.approx([0.25, 0.5, 0.75, 1, 1, 1, 1, 1, 1])
+    after_the_end = [lr_multiplier(step, cfg=cfg, total_steps=6) for step in range(6, 10)]
+    assert after_the_end == pytest.approx([0.1] * 4)
+
+
+def _fit(learner, max_steps=4, **trainer_options):
+    trainer = pl.Trainer(
+        max_steps=max_steps,
+        inference_mode=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        **trainer_options,
+    )
+    batches = [_shift_batch(seed=i) for i in range(max_steps)]
+    trainer.fit(learner, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
+    return trainer
+
+
+@pytest.mark.parametrize(
+    "option, instead",
+    [({"gradient_clip_val": 1.0}, r"OuterOptimConfig\(grad_clip=1.0\) \(optim.grad_clip"),
+     ({"accumulate_grad_batches": 2}, r"a larger batch \(trainer.meta_batch_size\)")],
+    ids=["gradient_clip_val", "accumulate_grad_batches"],
+)  # fmt: skip
+def test_trainer_options_of_automatic_optimization_name_what_to_use_instead(option, instead):
+    learner = ShiftLearner(nn.Linear(1, 1), InnerLoopConfig(params=["bias"]), OuterOptimConfig(), 4)
+    flag = next(iter(option))
+    with pytest.raises(ValueError, match=f"{flag}=.* does not apply to ShiftLearner.*{instead}"):
+        _fit(learner, **option)
+
+
+def test_the_run_length_must_be_the_trainers_max_steps_and_may_come_from_it():
+    inner, cosine = InnerLoopConfig(params=["bias"]), OuterOptimConfig(scheduler="cosine", min_lr_ratio=0.1)
+    with pytest.raises(ValueError, match=r"total_steps=40\) but the Trainer's max_steps is 4"):
+        _fit(ShiftLearner(nn.Linear(1, 1), inner, cosine, total_steps=40))
+    learner = ShiftLearner(nn.Linear(1, 1), inner, cosine)  # the schedule spans the Trainer's 4 steps
+    _fit(learner)
+    assert learner.lr_schedulers().get_last_lr() == pytest.approx([0.1 * cosine.lr])
+    two_steps = dataclasses.replace(cosine, schedule_steps=2)
+    shorter = ShiftLearner(nn.Linear(1, 1), inner, two_steps, total_steps=4)
+    _fit(shorter)  # a schedule of its own length: 2 steps, then its final lr
+    assert shorter.lr_schedulers().get_last_lr() == pytest.approx([0.1 * cosine.lr])
 
 
 def test_atomic_checkpoint_keeps_the_old_file_when_a_save_fails(tmp_path, monkeypatch):

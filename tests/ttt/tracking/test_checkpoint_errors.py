@@ -1,8 +1,13 @@
-"""Resume never touches the run directory when it fails; every unreadable checkpoint names its file and
-what to do (never torch's advice to load with weights_only=False)."""
+"""Resume never touches the run directory when it fails or has nothing to do; every unreadable checkpoint
+names its file and what to do (never torch's advice to load with weights_only=False); a place the run
+cannot write is refused before any work, naming the path and the key."""
+
+import errno
+import os
 
 import pytest
 
+import ttt.train
 from ttt.tracking import CheckpointError, load_checkpoint
 from ttt.train import main
 
@@ -15,7 +20,11 @@ def finished_run(tiny_overrides, tmp_path):
 
 
 def _files(run):
-    return {path.relative_to(run): path.read_bytes() for path in sorted(run.rglob("*")) if path.is_file()}
+    """Every path under `run` (directories too) -> its bytes (None for a directory) and modification time."""
+    return {
+        path.relative_to(run): (path.read_bytes() if path.is_file() else None, path.stat().st_mtime_ns)
+        for path in sorted(run.rglob("*"))
+    }
 
 
 def test_resume_with_a_model_change_leaves_the_run_directory_untouched(finished_run, capsys):
@@ -56,3 +65,86 @@ def test_checkpoint_with_arbitrary_objects_is_refused_safely(tmp_path):
     with pytest.raises(CheckpointError, match=r"odd\.ckpt holds Python objects") as info:
         load_checkpoint(path)
     assert "weights_only=False" not in str(info.value)
+
+
+def test_a_resume_asking_for_fewer_steps_than_were_trained_is_refused(finished_run, capsys):
+    before = _files(finished_run)
+    assert main([f"resume={finished_run}", "trainer.max_steps=1"]) == 2
+    err = capsys.readouterr().err
+    assert "trained 2 outer steps, more than trainer.max_steps=1" in err and "Traceback" not in err
+    assert _files(finished_run) == before
+
+
+@pytest.mark.parametrize("extra", [[], ["trainer.max_steps=2"]], ids=["as-saved", "same-max-steps"])
+def test_resuming_a_finished_run_has_nothing_to_do(finished_run, extra, capsys):
+    before = _files(finished_run)
+    assert main([f"resume={finished_run}", *extra]) == 0
+    assert "nothing to do" in capsys.readouterr().out
+    assert _files(finished_run) == before
+
+
+def test_a_resume_cannot_change_what_the_saved_optimizer_keeps(finished_run, capsys):
+    """The optimizer comes back from the checkpoint with its lr and betas: an override would be ignored."""
+    before = _files(finished_run)
+    assert main([f"resume={finished_run}", "trainer.max_steps=4", "optim.lr=0.1", "optim.beta1=0.5"]) == 2
+    err = capsys.readouterr().err
+    assert "optim.lr=0.1 (the run's: 0.001), optim.beta1=0.5 (the run's: 0.9) cannot change on resume" in err
+    assert _files(finished_run) == before
+
+
+@pytest.fixture
+def read_only(monkeypatch):
+    """read_only(directory): makes `directory` read-only as a read-only file system would, for root too
+    (whom chmod does not stop): os.access denies writing there, and creating a file or a directory there
+    raises OSError(EROFS)."""
+    real_access, real_open, real_mkdir = os.access, os.open, os.mkdir
+    places = []
+
+    def inside(path, *, itself: bool = False) -> bool:
+        path = os.path.abspath(path)
+        return any(path.startswith(f"{place}{os.sep}") or (itself and path == place) for place in places)
+
+    def refused(path):
+        return OSError(errno.EROFS, os.strerror(errno.EROFS), path)
+
+    def guarded_access(path, mode, *args, **kwargs):
+        return not (mode & os.W_OK and inside(path, itself=True)) and real_access(path, mode, *args, **kwargs)
+
+    def guarded_open(path, flags, *args, **kwargs):
+        if flags & os.O_CREAT and inside(path):
+            raise refused(path)
+        return real_open(path, flags, *args, **kwargs)
+
+    def guarded_mkdir(path, *args, **kwargs):
+        if inside(path):
+            raise refused(path)
+        return real_mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "access", guarded_access)
+    monkeypatch.setattr(os, "open", guarded_open)
+    monkeypatch.setattr(os, "mkdir", guarded_mkdir)
+    return lambda directory: places.append(os.path.abspath(directory))
+
+
+def test_a_read_only_run_root_is_refused_before_any_work(
+    tiny_overrides, tmp_path, read_only, capsys, monkeypatch
+):
+    (tmp_path / "ro").mkdir()
+    read_only(tmp_path / "ro")
+    runs = tmp_path / "ro" / "runs"
+    monkeypatch.setattr(ttt.train, "run", lambda *args, **kwargs: pytest.fail("the run started"))
+    assert main(tiny_overrides("maml_sinusoid", f"run.root={runs}")) == 2
+    assert f"run.root={runs}: cannot write in {tmp_path / 'ro'} (" in capsys.readouterr().err
+    assert list((tmp_path / "ro").iterdir()) == []
+    (tmp_path / "file").write_text("x")  # a run.root below a file: no chmod or monkeypatch needed
+    assert main(tiny_overrides("maml_sinusoid", f"run.root={tmp_path / 'file' / 'runs'}")) == 2
+    assert f"{tmp_path / 'file'} is a file, not a directory" in capsys.readouterr().err
+
+
+def test_a_read_only_run_directory_is_refused_on_resume(finished_run, read_only, capsys):
+    before = _files(finished_run)
+    read_only(finished_run / "checkpoints")
+    assert main([f"resume={finished_run}", "trainer.max_steps=4"]) == 2
+    err = capsys.readouterr().err
+    assert f"resume={finished_run}: cannot write in {finished_run / 'checkpoints'} (" in err
+    assert "Traceback" not in err and _files(finished_run) == before

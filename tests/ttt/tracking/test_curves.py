@@ -1,5 +1,5 @@
 """Training time is logged and carried across a resume; `python -m ttt.tracking.curves` overlays runs
-against the outer step or that time."""
+against the outer step or that time, and draws one run's curves into its own directory."""
 
 import csv
 
@@ -38,3 +38,16 @@ def test_curves_overlay_runs_by_step_and_by_time(tiny_overrides, tmp_path, capsy
     assert "no run logged 'val/no_such_metric'" in capsys.readouterr().err
     assert curves.main([str(tmp_path), "--out", str(tmp_path / "bad")]) == 2
     assert "no logs/ directory" in capsys.readouterr().err
+
+
+def test_curves_of_one_run_go_to_its_directory_by_default(tiny_overrides, tmp_path, capsys):
+    """No --out: the run's directory, with the default metrics it logged (maml_sinusoid has no accuracy);
+    several runs need --out."""
+    assert main(tiny_overrides("maml_sinusoid", "run.name=one", "trainer.log_every_n_steps=1")) == 0
+    run = tmp_path / "one"
+    assert curves.main([str(run)]) == 0
+    (table,) = markdown_tables((run / "curves.md").read_text())
+    assert list(table) == ["one"] and float(table["one"]["val/query_loss_adapted (last)"]) > 0
+    assert (run / "curves.png").stat().st_size > 0
+    assert curves.main([str(run), str(run)]) == 2
+    assert "--out DIR is needed to overlay 2 runs" in capsys.readouterr().err

@@ -24,6 +24,26 @@ def test_recipe_help_lists_every_key_with_type_value_and_doc(capsys):
     assert "  trainer.detect_anomaly: bool = false" in out
 
 
+def test_help_gives_every_recipe_its_whole_description_in_one_column(capsys):
+    """Names as long as pretrained/qwen2_5_0_5b keep the column; descriptions are not cut mid-sentence."""
+    from recipes import available_recipes
+    from ttt.config.loading import recipe_header
+
+    assert main(["--help"]) == 0
+    listing = capsys.readouterr().out.split("\nRecipes\n", 1)[1].rstrip("\n").splitlines()
+    recipes = available_recipes()
+    column = 4 + max(len(name) for name in recipes) + 2
+    described: dict[str, list[str]] = {}
+    for line in listing:
+        assert len(line) <= 100 and line[column] != " ", line
+        name = line[:column].strip()
+        if name:
+            described[name] = []
+        described[list(described)[-1]].append(line[column:])
+    first_paragraphs = {name: recipe_header(path).split("\n\n")[0].split() for name, path in recipes.items()}
+    assert {name: " ".join(lines).split() for name, lines in described.items()} == first_paragraphs
+
+
 def test_recipe_help_lists_the_keys_of_a_section_that_is_null_by_default(capsys):
     assert main(["recipe=ttt_pretrained_toy", "--help"]) == 0
     out = capsys.readouterr().out
