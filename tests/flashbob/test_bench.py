@@ -70,6 +70,7 @@ def test_idle_time_is_what_no_kernel_covers_between_the_first_start_and_the_last
         bench.kernel_times(lambda: None, ["any"], reps=1)
 
 
+@pytest.mark.slow
 def test_ab_times_two_sides_and_the_yardstick(tmp_path, monkeypatch):
     """This tree as side A and again as side B (imported twice under their own names): every
     (case, mode, side) has a row, the ratios come from the per-round times, the outputs agree."""

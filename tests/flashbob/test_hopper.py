@@ -54,6 +54,7 @@ columns pass as compiled when they were last timed on the H200 (2026-12-04); mor
 allocates their registers otherwise and the passes must be timed again."""
 
 
+@pytest.mark.slow
 @needs_tools
 @pytest.mark.parametrize("d, mask, key_range", list(MEASURED_SPILL_STORES))
 def test_it_compiles_for_sm90_spilling_no_more_than_measured(tmp_path, monkeypatch, d, mask, key_range):

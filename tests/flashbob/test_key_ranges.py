@@ -190,6 +190,7 @@ def test_vmap_with_key_ranges_matches_float64(ranges_dim):
         assert rel_err(got[i], want) <= TOL
 
 
+@pytest.mark.slow
 def test_func_transforms_with_key_ranges_as_arguments():
     """torch.func.grad of grad, and vmap of grad with vmapped ranges, where the ranges are arguments
     of the transformed function (so every transform level wraps them)."""

@@ -54,6 +54,7 @@ def test_full_attention_baseline_without_ttt_runs(tiny_ttt_e2e, tmp_path):
     assert not (tmp_path / "runs" / "base" / "passkey.csv").exists()
 
 
+@pytest.mark.slow
 def test_reading_a_batch_in_several_passes_trains_the_same(tiny_ttt_e2e, tmp_path):
     """ttt.sequences_per_pass only trades memory for speed: one pass per sequence gives the same run."""
     summaries = []
@@ -109,6 +110,7 @@ def test_a_run_trained_short_continues_at_a_longer_context(tiny_ttt_e2e, tmp_pat
     assert rows[-1]["end"] == "63", "the test after the long session reads the long windows"
 
 
+@pytest.mark.slow
 def test_the_125m_recipe_at_toy_size_trains_on_masked_slices_and_writes_every_position(tmp_path):
     """recipe=ttt_e2e_125m with its options on (QK-norm, post-norms, stream packing with BOS masking, chunk
     means, fixed inner lr) shrunk to seconds: the held-out objective is logged, and the test writes the

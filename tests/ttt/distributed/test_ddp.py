@@ -15,6 +15,10 @@ import pytest
 import torch
 from tiny_configs import TINY_KV_MODEL, TINY_KV_TASK, TINY_TEXT, write_tiny_corpus
 
+# Processes started per test, tens of seconds each on two cores; one such test at a time (pytest -n 2
+# with --dist loadgroup, pyproject.toml) so that their processes do not compete with each other.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("processes")]
+
 REPO = Path(__file__).resolve().parents[3]
 PROBE = Path(__file__).with_name("count_allreduce.py")
 TIMEOUT_S = 120

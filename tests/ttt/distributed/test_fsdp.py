@@ -14,6 +14,10 @@ import pytest
 import torch
 from test_ddp import assert_same_state, launch, train
 
+# Processes started per test, tens of seconds each on two cores; one such test at a time (pytest -n 2
+# with --dist loadgroup, pyproject.toml) so that their processes do not compete with each other.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("processes")]
+
 FSDP = ["trainer.strategy=fsdp", "trainer.devices=2"]
 CHECKPOINTED = ["inner.checkpoint=true"]
 ADAMW = ["optim.name=adamw", "optim.lr=0.01", "optim.grad_clip=0.05", "optim.weight_decay=0.01"]

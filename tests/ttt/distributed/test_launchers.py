@@ -15,6 +15,10 @@ from pathlib import Path
 import pytest
 from test_ddp import COMMON, REPO, TIMEOUT_S, TINY_RECIPES, assert_same_state, train
 
+# Processes started per test, tens of seconds each on two cores; one such test at a time (pytest -n 2
+# with --dist loadgroup, pyproject.toml) so that their processes do not compete with each other.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("processes")]
+
 
 def free_port() -> int:
     with socket.socket() as sock:

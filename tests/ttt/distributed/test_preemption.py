@@ -24,6 +24,10 @@ import ttt.train
 from ttt.tracking import StepBoundaryCheckpoint
 from ttt.train import INTERRUPTED, PREEMPTED, main
 
+# Processes started per test, tens of seconds each on two cores; one such test at a time (pytest -n 2
+# with --dist loadgroup, pyproject.toml) so that their processes do not compete with each other.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("processes")]
+
 SCRIPT = Path(__file__).with_name("preempt_at.py")
 SIX_STEPS = [
     "recipe=maml_sinusoid",

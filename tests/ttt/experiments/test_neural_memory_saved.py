@@ -2,6 +2,8 @@
 causal meta step saves O(N) keys and values with the shared prefix buffer, O(N^2 / chunk_len) with the
 per-chunk concatenation; the patched functions are restored afterwards."""
 
+import pytest
+
 import flashbob
 from flashbob import triton_ops
 from ttt.experiments import neural_memory_saved as bench
@@ -13,6 +15,7 @@ def attention_bytes_per_token(n, **options):
     return sum(b for source, b in sources.items() if source.startswith("flashbob/")) / n
 
 
+@pytest.mark.slow
 def test_the_shared_prefix_saves_linear_keys_and_values_and_concatenation_quadratic():
     originals = (flashbob.flash_attention, triton_ops.forward, triton_ops.backward, triton_ops.bob)
     shared = [attention_bytes_per_token(n, variant="mac", window=None, concat=False) for n in (32, 128)]

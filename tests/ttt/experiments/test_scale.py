@@ -41,6 +41,7 @@ def test_bad_modes_and_recipes_without_a_module_builder_are_named():
         scale.main(["recipe=maml_sinusoid", "--steps", "1"])
 
 
+@pytest.mark.slow
 def test_a_row_under_fsdp_with_cpu_offload_on_one_device(tmp_path):
     """trainer.strategy=fsdp runs the step through the strategy ttt.train builds (its own process: the
     strategy starts a process group)."""

@@ -178,6 +178,7 @@ def learner():
     return learner
 
 
+@pytest.mark.slow
 def test_the_recipe_equals_the_literal_official_algorithm_to_1e_10(learner):
     model, cfg = learner.model, learner.model.cfg
     batch = sample_batch()
@@ -203,6 +204,7 @@ def test_the_recipe_equals_the_literal_official_algorithm_to_1e_10(learner):
     assert any("ttt_mlp" in name for name in names) and any("q_norm" in name for name in names)
 
 
+@pytest.mark.slow
 def test_the_reference_sees_second_order_terms_a_first_order_reading_lacks(learner):
     """The comparison above would catch a missing create_graph: the first-order gradient differs."""
     batch = sample_batch()

@@ -14,6 +14,8 @@ from ttt.layers import TTTConfig, TTTTransformer
 from ttt.models import Transformer, TransformerConfig
 from ttt.models.linear_cross_entropy import linear_cross_entropy, recompute_contexts
 
+pytestmark = pytest.mark.slow  # second-order reads under every option: tens of seconds each on two cores
+
 DOUBLE = torch.float64
 
 

@@ -186,6 +186,7 @@ def outer_derivatives(model, x):
     return losses, [g for _, g in used], hvp
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["mac", "mag"])
 @pytest.mark.parametrize("checkpoint", [False, True], ids=["stored", "checkpointed"])
 def test_shared_prefix_gives_the_losses_and_derivatives_of_concatenation(variant, checkpoint):

@@ -109,6 +109,7 @@ def _recipe(tmp_path, *extra):
     ]
 
 
+@pytest.mark.slow
 def test_ttt_pretrained_trains_a_transformers_checkpoint_itself(tmp_path):
     assert main(_recipe(tmp_path, "run.name=hf")) == 0
     summary = json.loads((tmp_path / "runs" / "hf" / "summary.json").read_text())

@@ -87,6 +87,7 @@ def test_updates_change_later_chunks_only_and_stay_causal():
     assert not torch.equal(after[:, 9:], with_ttt[:, 9:])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_each_sequence_of_a_batch_gets_its_own_fast_weights(optimizer):
     """Rows read side by side give each row's losses and outer gradient as if read alone, with two

@@ -90,6 +90,7 @@ def test_hvp_runs_the_flashbob_kernels_and_matches_float64(monkeypatch):
     assert max_relative_error(got, want) <= 2 * max_relative_error(torch32, want) + 1e-6
 
 
+@pytest.mark.slow
 def test_hutchinson_mean_converges_to_the_exact_diagonal():
     """Over n Rademacher probes the estimate of entry i has standard deviation
     sqrt(sum_{j != i} H_ij^2 / n): the errors in those units must look like standard normals."""
