@@ -16,12 +16,24 @@ Layout
     ttt.tracking      run directories, atomic checkpoints, timing, summaries
     ttt.experiments   measurements: GPU memory and time of meta steps, the paper-scale step, profiles
     ttt.train         the command line: `python -m ttt.train recipe=NAME key=value ...`
+    ttt.load          a trained run back: `learner, cfg = ttt.load(RUN_DIR)` (ttt/meta/loading.py), then
+                      `learner.adapt(task)` and `learner.predict(params, x)` (`ttt.meta.MetaLearner`)
 
 The library never imports the app (`recipes`, `configs`, `ttt.train`) outside the command-line entry
-points. To read first: ttt/inner/step.py (one inner step), ttt/meta/learner.py (one outer step), and
-recipes/maml_sinusoid.py (a recipe: config, learner, data).
+points: `ttt.load` rebuilds a run's learner with the recipe book the app registers as an entry point
+(pyproject.toml). To read first: ttt/inner/step.py (one inner step), ttt/meta/learner.py (one outer
+step), and recipes/maml_sinusoid.py (a recipe: config, learner, data).
 """
 
 from ._moved import install as _install_moved_names
 
 _install_moved_names()
+
+
+def __getattr__(name: str):
+    # ttt.load imports torch and Lightning when first used, so that `import ttt` stays light.
+    if name == "load":
+        from .meta.loading import load
+
+        return load
+    raise AttributeError(f"module 'ttt' has no attribute {name!r}")

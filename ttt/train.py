@@ -305,14 +305,14 @@ def run(
     else None), outer_steps, loss_spike_steps (where `LossSpikeWatch` warned), wall_time_s, run_dir;
     and the learner's own `summary_figures()`.
     """
-    from recipes import load_builder
+    from recipes import build
 
     start = time.perf_counter()
     check_accelerator(cfg)
     check_strategy(cfg)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     try:
-        module, data = load_builder(cfg.builder).build(cfg)
+        module, data = build(cfg)  # the learner keeps cfg: its checkpoints load with no arguments
     except (ValueError, FileNotFoundError) as err:  # builders name the bad key in these
         raise ConfigError(f"recipe {cfg.recipe}: {err}") from err
     if checkpoint is not None:

@@ -48,6 +48,20 @@ def test_the_library_imports_its_app_only_in_entry_points():
     assert {path: names for path, names in offenders.items() if names} == {}
 
 
+def test_ttt_load_is_light_to_reach_and_finds_the_recipes_through_their_entry_point():
+    code = (
+        "import sys\n"
+        "import ttt\n"
+        "assert 'torch' not in sys.modules, 'import ttt imports no torch'\n"
+        "from ttt import load\n"
+        "assert 'recipes' not in sys.modules, 'reaching ttt.load imports no app'\n"
+        "from ttt.meta.loading import installed_book\n"
+        "import recipes\n"
+        "assert installed_book() is recipes.BOOK\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
 def test_the_inner_loop_engine_imports_no_model_code():
     offenders = {
         str(path.relative_to(ROOT)): sorted(

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -40,11 +41,12 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class RecipeBook:
     """Where recipes come from (the app's: `recipes.BOOK`, over configs/ and recipes/): `yamls()`, recipe
-    name -> its YAML file; `schema(builder)`, the `RecipeConfig` subclass of a builder name (ValueError
-    naming the builders when there is none)."""
+    name -> its YAML file; `builder(name)`, the builder module of that name (ValueError naming the
+    builders when there is none): its `Config` (the `RecipeConfig` subclass of its YAMLs), `build(cfg)` ->
+    (learner, data) and, where it can build the learner without reading data, `build_module(cfg)`."""
 
     yamls: Callable[[], dict[str, Path]]
-    schema: Callable[[str], type[RecipeConfig]]
+    builder: Callable[[str], ModuleType]
 
 
 def recipe_header(path: Path) -> str:
@@ -130,7 +132,7 @@ def _check_keys(given: Any, schema: Any, where: str, prefix: str = "") -> None:
 
 def _recipe_schema(book: RecipeBook, builder: str, yaml_path: Path) -> type[RecipeConfig]:
     try:
-        return book.schema(builder)
+        return book.builder(builder).Config
     except ValueError as err:
         raise ConfigError(f"{yaml_path}: {err}") from err
 

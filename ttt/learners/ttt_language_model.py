@@ -21,7 +21,7 @@ from ttt.config.schema import OuterOptimConfig
 from ttt.layers import TransformersTTTReader, TTTTransformer
 from ttt.layers.neural_memory import NeuralMemoryTransformer
 from ttt.layers.objective import sequence_losses
-from ttt.meta.learner import OuterLearner
+from ttt.meta.learner import OuterLearner, refuse_inference_mode
 from ttt.text.long_context import (
     MODES,
     LongContextEvalConfig,
@@ -82,7 +82,12 @@ class TTTLanguageLearner(OuterLearner):
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Evaluation reading of sequences (B, N), ttt.sequences_per_pass at a time: (logits (B, N, V),
         or None without keep_logits, losses (B, N - 1)), detached. adapt=True adapts only when
-        ttt.enabled; loss_mask (B, N - 1): the targets the inner steps count (None: all)."""
+        ttt.enabled: the fast weights train on each chunk as they read it (the inner learning rates at
+        `global_step`'s warm-up, a loaded learner's too); loss_mask (B, N - 1): the targets the inner
+        steps count (None: all). Runs in grad mode inside torch.no_grad too; refused under
+        torch.inference_mode when it adapts."""
+        if adapt and self.model.ttt_cfg.enabled:
+            refuse_inference_mode(f"{type(self).__name__}.read(adapt=True)")
         logits, losses = [], []
         batch = {"tokens": tokens} if loss_mask is None else {"tokens": tokens, "loss_mask": loss_mask}
         with torch.enable_grad():

@@ -22,7 +22,10 @@ three hooks; `summary_figures` adds figures of its own to summary.json.
 from __future__ import annotations
 
 import contextlib
+import inspect
+import types
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -33,6 +36,24 @@ from ttt.config.schema import OuterOptimConfig
 from .distributed import task_backward
 from .outer import outer_optimizers, outer_param_groups, outer_update
 from .sharding import SecondOrderFSDPStrategy, gathered_parameters
+
+
+def refuse_inference_mode(what: str) -> None:
+    """RuntimeError naming `what` (a call that takes inner gradient steps) under torch.inference_mode."""
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError(
+            f"{what} takes inner gradient steps, which torch.inference_mode forbids: call it outside "
+            "torch.inference_mode (torch.no_grad is fine: it switches grad mode on for its inner steps)"
+        )
+
+
+def _plain(value: Any) -> bool:
+    """Whether `value` is None, a bool, int, float or str, or a list, tuple or str-keyed dict of such."""
+    if value is None or type(value) in (bool, int, float, str):
+        return True
+    if type(value) in (list, tuple):
+        return all(_plain(item) for item in value)
+    return type(value) is dict and all(type(key) is str and _plain(item) for key, item in value.items())
 
 
 class OuterLearner(pl.LightningModule):
@@ -47,6 +68,55 @@ class OuterLearner(pl.LightningModule):
         super().__init__()
         self.automatic_optimization = False
         self.optim_cfg, self.total_steps = optim, total_steps
+        self.checkpoint_step = 0
+        """The outer step of the checkpoint this learner was loaded from (`load_from_checkpoint`,
+        `ttt.load`); 0 for a new learner. `global_step` without a Trainer."""
+
+    @property
+    def global_step(self) -> int:
+        """Outer steps trained: the Trainer's global_step while one is attached, else `checkpoint_step`
+        (Lightning's is 0 without a Trainer, which would restart step-dependent settings such as the
+        inner learning rates' warm-up of a loaded learner)."""
+        return self.trainer.global_step if self._trainer is not None else self.checkpoint_step
+
+    def save_hyperparameters(
+        self,
+        *args: Any,
+        ignore: str | list[str] | None = None,
+        frame: types.FrameType | None = None,
+        logger: bool = True,
+    ) -> None:
+        """Lightning's `save_hyperparameters` (by default every argument of the calling __init__: what
+        `load_from_checkpoint` builds the learner from), refusing values a checkpoint cannot hold: it is
+        read without unpickling classes (`ttt.tracking.load_checkpoint`), so each hyperparameter must be
+        None, a bool, int, float or str, or a list, tuple or str-keyed dict of such values. TypeError
+        naming the others: build configs and models from plain values in __init__, or leave them out
+        (ignore=[name])."""
+        frame = frame if frame is not None else inspect.currentframe().f_back
+        super().save_hyperparameters(*args, ignore=ignore, frame=frame, logger=logger)
+        refused = [f"{name} ({type(v).__name__})" for name, v in self.hparams.items() if not _plain(v)]
+        if refused:
+            raise TypeError(
+                f"{type(self).__name__}: hyperparameters {', '.join(refused)} are not plain values; a "
+                "checkpoint holds tensors and plain containers only (None, bool, int, float, str, and lists, "
+                "tuples and str-keyed dicts of them): pass plain values and build configs and models from "
+                "them in __init__, or leave these out with save_hyperparameters(ignore=[...])"
+            )
+
+    @classmethod
+    def load_from_checkpoint(
+        cls, checkpoint_path: str | Path, map_location: Any = "cpu", strict: bool = True, **kwargs: Any
+    ) -> OuterLearner:
+        """The learner saved at `checkpoint_path` (a file a Trainer wrote, e.g. a run's
+        checkpoints/last.ckpt), with no Trainer and no arguments: a recipe's learner is rebuilt by its
+        builder from the run's config that its checkpoint holds, any other as cls(**its saved
+        hyperparameters, **kwargs). Its state is loaded (strict: every tensor, as saved) onto the device
+        map_location gives (torch.load's argument; default the CPU), in eval mode, `global_step` at the
+        checkpoint's step. Clear errors (CheckpointError, TypeError) name the file. `ttt.meta.loading`
+        says how; `ttt.load(RUN_DIR)` also returns the run's config."""
+        from .loading import load_learner  # it builds on this module
+
+        return load_learner(cls, checkpoint_path, map_location=map_location, strict=strict, **kwargs)
 
     def split_passes(self, batch: dict[str, torch.Tensor]) -> list[Any]:
         """The passes of a batch, each backpropagated before the next is computed. Override this."""
@@ -127,8 +197,8 @@ class OuterLearner(pl.LightningModule):
 
     def configure_model(self) -> None:
         """Under trainer.strategy=fsdp, shard the parameters over the processes (`ttt.meta.sharding`);
-        nothing under other strategies."""
-        if isinstance(self.trainer.strategy, SecondOrderFSDPStrategy):
+        nothing under other strategies, or without a Trainer (loading a checkpoint)."""
+        if self._trainer is not None and isinstance(self.trainer.strategy, SecondOrderFSDPStrategy):
             self.trainer.strategy.shard(self)
 
     def _gather_for_evaluation(self) -> None:

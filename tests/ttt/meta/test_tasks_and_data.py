@@ -65,7 +65,7 @@ def test_training_stream_follows_the_outer_step():
 
 def test_context_chunks_score_every_context_position_once():
     model = Transformer(TransformerConfig(vocab_size=16, d_model=16, n_heads=2, window=4, attention="eager"))
-    chunks = ContextChunksConfig(chunk_len=5)
+    chunks = ContextChunksConfig(tokens_per_step=5)
     learner = ContextLearner(model, InnerLoopConfig(), OuterOptimConfig(), 1, context_len=23, chunks=chunks)
     assert learner.n_chunks == 5
     scored = []
@@ -82,7 +82,7 @@ def test_context_loss_weight_adds_the_context_next_token_loss_but_not_to_the_rep
     model = Transformer(TransformerConfig(vocab_size=16, d_model=16, n_heads=2, window=2, attention="eager"))
     losses = {}
     for weight in (0.0, 0.5):
-        chunks = ContextChunksConfig(chunk_len=4, context_loss_weight=weight)
+        chunks = ContextChunksConfig(tokens_per_step=4, context_loss_weight=weight)
         learner = ContextLearner(
             model, InnerLoopConfig(), OuterOptimConfig(), 1, context_len=task_cfg.context_len, chunks=chunks
         )
@@ -134,7 +134,7 @@ def test_prequential_context_loss_is_the_mean_inner_loss_before_each_step_and_tr
             OuterOptimConfig(),
             1,
             context_len=task_cfg.context_len,
-            chunks=ContextChunksConfig(chunk_len=4, context_loss_weight=0.5, context_loss=mode),
+            chunks=ContextChunksConfig(tokens_per_step=4, context_loss_weight=0.5, context_loss=mode),
         )
         for mode in ("adapted", "prequential")
     }
