@@ -48,15 +48,21 @@ PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0}
 
 
 class RandomTokens(IterableDataset):
-    """Endless batches {"tokens": (rows, seq_len) int64} of uniform random ids below vocab."""
+    """Endless batches {"tokens": (rows, seq_len) int64} of uniform random ids below vocab; with masked,
+    also {"loss_mask": (rows, seq_len - 1)} all true (the batches of data.packing=stream, whose masking
+    costs the same whatever it masks)."""
 
-    def __init__(self, vocab: int, rows: int, seq_len: int, seed: int = 0):
-        self.vocab, self.rows, self.seq_len, self.seed = vocab, rows, seq_len, seed
+    def __init__(self, vocab: int, rows: int, seq_len: int, seed: int = 0, *, masked: bool = False):
+        self.vocab, self.rows, self.seq_len, self.seed, self.masked = vocab, rows, seq_len, seed, masked
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         gen = torch.Generator().manual_seed(self.seed)
         while True:
-            yield {"tokens": torch.randint(0, self.vocab, (self.rows, self.seq_len), generator=gen)}
+            tokens = torch.randint(0, self.vocab, (self.rows, self.seq_len), generator=gen)
+            if not self.masked:
+                yield {"tokens": tokens}
+            else:
+                yield {"tokens": tokens, "loss_mask": torch.ones_like(tokens[:, 1:], dtype=torch.bool)}
 
 
 def keys_seen(seq_len: int, window: int | None) -> int:
@@ -127,7 +133,9 @@ def measure(overrides: list[str], steps: int, profile: bool = False) -> dict:
         inference_mode=False,
         callbacks=[timer] if profiler is None else [timer, profiler],
     )
-    data = DataLoader(RandomTokens(model_cfg.vocab_size, rows, seq_len, cfg.seed), batch_size=None)
+    stream = cfg.data.packing == "stream"  # slices of seq_len + 1 tokens: seq_len targets
+    tokens = RandomTokens(model_cfg.vocab_size, rows, seq_len + stream, cfg.seed, masked=stream)
+    data = DataLoader(tokens, batch_size=None)
     try:
         trainer.fit(module, train_dataloaders=data)
     except Exception as err:  # noqa: BLE001 - any failure is a row, so that the next mode runs

@@ -152,10 +152,13 @@ def test_the_outer_loss_is_each_rows_weighted_mean():
 
     losses = torch.tensor([[1.0, 2.0, 3.0], [4.0, 4.0, 10.0]])
     model = SimpleNamespace(
-        token_losses=lambda tokens, lr_scale: losses,
-        ttt_cfg=SimpleNamespace(lr_scale=lambda step: 1.0, sequences_per_pass=None),
+        token_losses=lambda tokens, lr_scale, loss_mask: losses,
+        ttt_cfg=SimpleNamespace(
+            lr_scale=lambda step: 1.0, sequences_per_pass=None, loss_average="tokens", chunk_len=3
+        ),
     )
     learner = SimpleNamespace(model=model, inner_lr_scale=lambda: 1.0)
+    learner.objective = lambda losses, mask: TTTLanguageLearner.objective(learner, losses, mask)
     weight = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 4.0]])
     loss, _ = TTTLanguageLearner.pass_loss(learner, {"tokens": None, "loss_weight": weight}, batch_size=4)
     assert loss.item() == pytest.approx((2.0 + (4 + 4 + 40) / 6) / 4)
