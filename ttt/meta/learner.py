@@ -30,6 +30,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities.model_helpers import _restricted_classmethod
 
 from ttt.config.schema import OuterOptimConfig
 
@@ -106,7 +107,7 @@ class OuterLearner(pl.LightningModule):
                 "them in __init__, or leave these out with save_hyperparameters(ignore=[...])"
             )
 
-    @classmethod
+    @_restricted_classmethod  # as Lightning's: on an instance, a TypeError (the result is a new learner)
     def load_from_checkpoint(
         cls, checkpoint_path: str | Path, map_location: Any = "cpu", strict: bool = True, **kwargs: Any
     ) -> OuterLearner:

@@ -189,6 +189,8 @@ def test_a_user_subclass_that_saves_its_hyperparameters_loads_with_no_arguments(
     params, expected = loaded.adapt(task), trained.adapt(task)
     assert all(torch.equal(params[name], expected[name]) for name in expected)
     assert torch.equal(loaded.predict(params, task["xq"]), trained.predict(expected, task["xq"]))
+    with pytest.raises(TypeError, match="cannot be called on an instance"):  # it would not load in place
+        trained.load_from_checkpoint(tmp_path / "line.ckpt")
     with pytest.raises(CheckpointError, match="not written by a recipe run.*load_from_checkpoint"):
         ttt.load(tmp_path / "line.ckpt")
 

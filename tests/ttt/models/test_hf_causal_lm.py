@@ -63,9 +63,8 @@ def test_sdpa_is_refused_for_second_order_training():
 def _learner(attn, arch="mistral"):
     hf = tiny_model(arch, attn, dtype=torch.float64, sliding_window=4)
     inner = InnerLoopConfig(params=["model.layers.1.mlp.*"], steps=2, lr=0.5)
-    return ContextLearner(
-        HFCausalLM(hf), inner, OuterOptimConfig(), 10, context_len=16, chunks=ContextChunksConfig(chunk_len=6)
-    )
+    chunks = ContextChunksConfig(tokens_per_step=6)
+    return ContextLearner(HFCausalLM(hf), inner, OuterOptimConfig(), 10, context_len=16, chunks=chunks)
 
 
 @pytest.mark.parametrize("arch", ["mistral", "gemma3"])
