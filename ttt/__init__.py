@@ -18,6 +18,9 @@ Layout
     ttt.train         the command line: `python -m ttt.train recipe=NAME key=value ...`
     ttt.load          a trained run back: `learner, cfg = ttt.load(RUN_DIR)` (ttt/meta/loading.py), then
                       `learner.adapt(task)` and `learner.predict(params, x)` (`ttt.meta.MetaLearner`)
+    ttt.generate      a TTT-E2E run continues a prompt: `python -m ttt.generate RUN_DIR --prompt FILE ...`
+                      (`ttt.layers.generation`: prefill, then decode with the inner steps)
+    ttt.evaluate      loss by position of runs, with and without TTT: `python -m ttt.evaluate RUN_DIR ...`
 
 The library never imports the app (`recipes`, `configs`, `ttt.train`) outside the command-line entry
 points: `ttt.load` rebuilds a run's learner with the recipe book the app registers as an entry point

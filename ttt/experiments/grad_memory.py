@@ -34,7 +34,7 @@ from ttt.config.loading import ConfigError, load_structured, parse_overrides
 from ttt.inner import select_parameters
 from ttt.layers import TTTConfig
 from ttt.models import Transformer, TransformerConfig
-from ttt.models.attention import AttentionBackend
+from ttt.models.attention import ATTENTION_BACKENDS, AttentionBackend
 from ttt.tracking.atomic import atomic_write_text
 
 from . import grad_memory_report as report
@@ -140,8 +140,10 @@ class GradMemoryConfig:
     model assumes) or the suffix blocks' extra MLPs (ttt_e2e)."""
     inner_lr: float = 0.01
     """Inner SGD learning rate."""
-    backends: list[AttentionBackend] = field(default_factory=lambda: list(AttentionBackend))
-    """Attention backends to measure."""
+    backends: list[AttentionBackend] = field(
+        default_factory=lambda: [AttentionBackend(name) for name in ATTENTION_BACKENDS]
+    )
+    """Attention backends to measure (default: those with second derivatives, all but sdpa)."""
     n_sweep: Sweep = field(
         default_factory=lambda: Sweep(ns=[1024, 4096, 16384, 32768, 65536, 131072, 262144, 524288], ks=[1, 2])
     )

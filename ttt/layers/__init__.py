@@ -11,14 +11,18 @@ chunk, meta-trained end to end through the adaptation.
     TTTConfig, ReadOptions  where the adapting blocks sit and how the context is chunked; one read's options
 
 The engine under all three is `ChunkedReader` (reader.py): one chunk loop with carried state and
-caches, chunk and segment recomputation, detached evaluation. `SuffixReader` runs our `Transformer`'s
-prefix blocks once and its suffix blocks (`SuffixBlock`, `PrefixCache`) chunk by chunk; fast-weight
-readers share `fast_weights` (`score_then_step`: score a chunk, then take the inner steps on its loss).
+caches, chunk and segment recomputation, detached evaluation, and the end state handed back
+(`read_chunks`). `SuffixReader` runs our `Transformer`'s prefix blocks once and its suffix blocks
+(`SuffixBlock`, `PrefixCache`) chunk by chunk; fast-weight readers share `fast_weights`
+(`score_then_step`: score a chunk, then take the inner steps on its loss). `generation` continues a
+`TTTTransformer`'s read token by token (`prefill`, `decode_step`, `generate`), exactly as the chunked
+read would read the tokens it draws.
 """
 
 from .config import TTTConfig
 from .e2e import TTTTransformer
 from .fast_weights import score_then_step
+from .generation import DecodeState, decode_step, generate, prefill
 from .neural_memory import MemoryConfig, NeuralMemoryTransformer
 from .prefix_cache import PrefixCache
 from .reader import Chunk, ChunkedReader, ReadOptions, check_tokens
@@ -29,6 +33,7 @@ from .transformers_reader import TransformersTTTReader
 __all__ = [
     "Chunk",
     "ChunkedReader",
+    "DecodeState",
     "KVCache",
     "MemoryConfig",
     "NeuralMemoryTransformer",
@@ -40,5 +45,8 @@ __all__ = [
     "TTTTransformer",
     "TransformersTTTReader",
     "check_tokens",
+    "decode_step",
+    "generate",
+    "prefill",
     "score_then_step",
 ]

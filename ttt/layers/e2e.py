@@ -85,15 +85,24 @@ class TTTTransformer(SuffixReader):
     def _detached(self, carry: FastCarry) -> FastCarry:
         return detached_carry(carry)
 
-    def _suffix_chunk(self, fast, chunk: Chunk, caches, keep_logits):
-        """Suffix blocks and head on one chunk of every sequence (inputs (B, C, d_model)) with their fast
-        weights `fast` (each (B, ...)): (logits (B, C, V) or None unless keep_logits, per-token losses
-        (B, T) against chunk.targets, caches for the next chunk)."""
+    def read_suffix(
+        self, fast: dict[str, torch.Tensor], chunk: Chunk, caches: list
+    ) -> tuple[torch.Tensor, list]:
+        """The suffix blocks on one chunk of every sequence (chunk.inputs (B, C, d_model), the prefix's
+        output; chunk.cos, chunk.sin their RoPE tables) with the fast weights `fast` (by full name, each
+        (B, ...)) and each block's cache. Returns (their output (B, C, d_model), before the final norm;
+        the caches for the next chunk)."""
         x, new_caches = chunk.inputs, []
         for block, names, cache in zip(self.suffix, self.block_params, caches):
             params = {inside: fast[full] for full, inside in names}
             x, cache = functional_call(block, params, (x, chunk.cos, chunk.sin, cache), strict=False)
             new_caches.append(cache)
+        return x, new_caches
+
+    def _suffix_chunk(self, fast, chunk: Chunk, caches, keep_logits):
+        """Suffix blocks and head on one chunk (`read_suffix`): (logits (B, C, V) or None unless
+        keep_logits, per-token losses (B, T) against chunk.targets, caches for the next chunk)."""
+        x, new_caches = self.read_suffix(fast, chunk, caches)
         return *self._score(x, chunk.targets, keep_logits), new_caches
 
     def _read_chunk(self, carry: FastCarry, chunk: Chunk, caches: list, options: ReadOptions):

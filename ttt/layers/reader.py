@@ -4,9 +4,9 @@ Reading the sequences tokens (B, N) side by side:
 
     positions = `_positions`(tokens): what every position feeds the chunks (our transformer: its prefix
         blocks' output, run once over the whole sequence; a transformers model: the token ids);
-    carry = each sequence's initial state (`_initial_state`: fast weights, optimizer / write state, ...);
+    carry = each sequence's initial state (`start_carry`: fast weights, optimizer / write state, ...);
     caches = `_initial_caches`: what a chunk hands the next (key/value caches, left-context tokens);
-    for each chunk c of ttt.chunk_len positions:
+    for each chunk c of ttt.chunk_len positions (`read_chunks`, which also hands back the end state):
         logits, per-token losses, caches, carry = `_read_chunk`(carry, chunk c of positions, caches):
         the chunk is scored and carry adapts (TTT-E2E: `score_then_step`, inner steps after scoring;
         neural memory: writes inside the blocks);
@@ -22,6 +22,7 @@ Subclasses: `SuffixReader` (our `Transformer`: prefix once, suffix blocks chunk 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -56,6 +57,8 @@ class ReadOptions:
     """Return the logits (B, N, V); False: only the losses (the training path: no logits kept)."""
     checkpoint: bool
     """Recompute each chunk in the outer backward (only with outer_grad and grad mode)."""
+    on_chunk: Callable[[int], None] | None = None
+    """Called with each chunk's length once it is read (a progress bar); None: nothing is called."""
 
 
 @dataclass
@@ -140,17 +143,31 @@ class ChunkedReader(nn.Module):
         options.keep_logits, next-token losses (B, N - 1), every target's)."""
         check_tokens(tokens)
         whole = replace(self._positions(tokens, options), mask=check_loss_mask(loss_mask, tokens))
-        carry = self._initial_state(tokens.shape[0], options)
-        if not options.outer_grad:
-            carry = self._detached(carry)
-        caches = self._initial_caches(tokens.shape[1])
+        carry, caches = self.start_carry(tokens.shape[0], options), self._initial_caches(tokens.shape[1])
+        logits, losses, _, _ = self.read_chunks(carry, caches, whole, options)
+        return logits, losses
+
+    def start_carry(self, batch: int, options: ReadOptions) -> Carry:
+        """Each of the batch sequences' state before the first chunk (`_initial_state`), cut from the
+        graph without options.outer_grad."""
+        carry = self._initial_state(batch, options)
+        return carry if options.outer_grad else self._detached(carry)
+
+    def read_chunks(
+        self, carry: Carry, caches: list, positions: Chunk, options: ReadOptions
+    ) -> tuple[torch.Tensor | None, torch.Tensor, list, Carry]:
+        """The chunk loop over positions (inputs (B, n, ...), n >= 1: `_positions`, or a part of it) from
+        carry and caches, in chunks of ttt.chunk_len from its first position, recomputed in segments with
+        options.checkpoint. Returns (logits (B, n, V) or None unless options.keep_logits, losses (B, T)
+        against positions.targets, and the end state: the caches and carry after its last chunk, which a
+        later read of the positions that follow continues from (`ttt.layers.generation`))."""
         recompute = options.checkpoint and options.outer_grad and torch.is_grad_enabled()
         options = replace(options, checkpoint=recompute)
-        n = len(whole)
+        n = len(positions)
         span = (self.ttt_cfg.chunk_len * (self.ttt_cfg.checkpoint_segment or 0) if recompute else 0) or n
         all_logits, all_losses = [], []
         for start in range(0, n, span):
-            part = whole.part(start, min(start + span, n))
+            part = positions.part(start, min(start + span, n))
             if span < n:
                 logits, losses, caches, carry = recomputed(
                     self._read_span, carry, caches, part, options, params=self._trainable()
@@ -159,7 +176,8 @@ class ChunkedReader(nn.Module):
                 logits, losses, caches, carry = self._read_span(carry, caches, part, options)
             all_logits.append(logits)
             all_losses.append(losses)
-        return (torch.cat(all_logits, dim=1) if options.keep_logits else None), torch.cat(all_losses, dim=1)
+        logits = torch.cat(all_logits, dim=1) if options.keep_logits else None
+        return logits, torch.cat(all_losses, dim=1), caches, carry
 
     def _trainable(self) -> list[torch.Tensor]:
         """The parameters that need gradients (those a recomputed chunk hands gradients back to)."""
@@ -185,6 +203,8 @@ class ChunkedReader(nn.Module):
             if not options.outer_grad:
                 logits, losses = (None if logits is None else logits.detach()), losses.detach()
                 caches, carry = self._detach_caches(caches), self._detached(carry)
+            if options.on_chunk is not None:
+                options.on_chunk(len(chunk))
             all_logits.append(logits)
             all_losses.append(losses)
         logits = torch.cat(all_logits, dim=1) if options.keep_logits else None

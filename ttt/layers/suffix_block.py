@@ -73,9 +73,11 @@ class SuffixBlock(nn.Module):
 
     def attend(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache):
         """Attention of the chunk x (B, C, d) over the cache and itself; cos, sin (C, head_dim) are the
-        RoPE tables of the chunk's absolute positions. Returns ((B, C, d), the cache for the next chunk)."""
+        RoPE tables of the chunk's absolute positions. Returns ((B, C, d), the cache for the next chunk).
+        A `PrefixCache` (given, or made for a block with shares_prefix under full attention) grows in its
+        buffer; a pair of tensors is extended by concatenation and cut to the `kept_keys` most recent."""
         q, k, v = self.attn.project_qkv(x, cos, sin)
-        if self.shares_prefix and self.kept_keys() is None:
+        if isinstance(cache, PrefixCache) or (self.shares_prefix and self.kept_keys() is None):
             cache = (PrefixCache.reserve(0) if cache is None else cache).extend(k, v)
             out = attention(q, cache.keys, cache.values, backend=self.cfg.attention, causal=True, window=None)
             return self.attn.project_out(out), cache

@@ -58,6 +58,16 @@ class SuffixReader(ChunkedReader):
         h = self.norm(hidden)
         return h @ self.embed.weight.t() if self.lm_head is None else self.lm_head(h)
 
+    def rope_tables(
+        self, end: int, device: torch.device, *, start: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (end - start, head_dim) of the absolute positions start..end-1, in float32 (float64
+        for a float64 model)."""
+        cfg, dtype = self.cfg, torch.promote_types(self.embed.weight.dtype, torch.float32)
+        return rope_cos_sin(
+            end, cfg.head_dim, cfg.rope_theta, device, cfg.rope_scaling, dtype=dtype, start=start
+        )
+
     def _score(
         self, x: torch.Tensor, targets: torch.Tensor, keep_logits: bool
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -74,9 +84,7 @@ class SuffixReader(ChunkedReader):
     def _positions(self, tokens: torch.Tensor, options: ReadOptions) -> Chunk:
         """The prefix blocks' output (B, N, d_model) of every position and the RoPE tables (N, head_dim)
         of the absolute positions, as one chunk; the prefix keeps its graph only for an outer gradient."""
-        n = tokens.shape[1]
-        cfg, dtype = self.cfg, torch.promote_types(self.embed.weight.dtype, torch.float32)
-        cos, sin = rope_cos_sin(n, cfg.head_dim, cfg.rope_theta, tokens.device, cfg.rope_scaling, dtype=dtype)
+        cos, sin = self.rope_tables(tokens.shape[1], tokens.device)
         grad = options.outer_grad and torch.is_grad_enabled()
         with torch.set_grad_enabled(grad):
             hidden = self.embed(tokens)

@@ -83,9 +83,9 @@ class TTTLanguageLearner(OuterLearner):
         """Evaluation reading of sequences (B, N), ttt.sequences_per_pass at a time: (logits (B, N, V),
         or None without keep_logits, losses (B, N - 1)), detached. adapt=True adapts only when
         ttt.enabled: the fast weights train on each chunk as they read it (the inner learning rates at
-        `global_step`'s warm-up, a loaded learner's too); loss_mask (B, N - 1): the targets the inner steps
-        count (None: all). Runs in grad mode inside torch.no_grad too; refused under torch.inference_mode
-        when it adapts."""
+        `global_step`'s warm-up, a loaded learner's too); loss_mask (B, N - 1): the targets the inner
+        steps count (None: all). Runs in grad mode inside torch.no_grad too; refused under
+        torch.inference_mode when it adapts."""
         if adapt and self.model.ttt_cfg.enabled:
             refuse_inference_mode(f"{type(self).__name__}.read(adapt=True)")
         logits, losses = [], []

@@ -78,10 +78,13 @@ class OuterLearner(pl.LightningModule):
 
     @property
     def global_step(self) -> int:
-        """Outer steps trained: the Trainer's global_step while one is attached, else `checkpoint_step`
-        (Lightning's is 0 without a Trainer, which would restart step-dependent settings such as the
-        inner learning rates' warm-up of a loaded learner)."""
-        return self.trainer.global_step if self._trainer is not None else self.checkpoint_step
+        """Outer steps trained: the Trainer's global_step while one is attached (at least
+        `checkpoint_step`: a Trainer that only tests a loaded learner counts from 0), else
+        `checkpoint_step` (Lightning's is 0 without a Trainer, which would restart step-dependent settings
+        such as the inner learning rates' warm-up of a loaded learner)."""
+        if self._trainer is None:
+            return self.checkpoint_step
+        return max(self.trainer.global_step, self.checkpoint_step)
 
     def save_hyperparameters(
         self,

@@ -5,8 +5,13 @@
 * "eager": `flashbob.flash_attention(backend="torch")`: plain PyTorch on any device.
 * "sdpa_math": `torch.nn.functional.scaled_dot_product_attention` restricted to its math backend
   (the only SDPA backend that supports double backward), with an explicit boolean mask.
+* "sdpa": `scaled_dot_product_attention` with whichever fused kernel torch picks (flash, cuDNN,
+  memory-efficient; `torch.nn.attention.sdpa_kernel` restricts the choice). First order only (no
+  double backward): for inference and first-order training. The fused kernels run where no mask is
+  needed (full causal attention over as many keys as queries, or one query: decoding); any other mask
+  is passed explicitly, which leaves torch fewer kernels to pick from.
 
-All three share the semantics of `flashbob`: causal masks are bottom-right aligned and a window of
+All four share the semantics of `flashbob`: causal masks are bottom-right aligned and a window of
 w keeps the w most recent keys (causal only).
 """
 
@@ -27,9 +32,11 @@ class AttentionBackend(Choice):
     flashbob = "flashbob"
     eager = "eager"
     sdpa_math = "sdpa_math"
+    sdpa = "sdpa"
 
 
-ATTENTION_BACKENDS = AttentionBackend.values()
+ATTENTION_BACKENDS = tuple(name for name in AttentionBackend.values() if name != AttentionBackend.sdpa)
+"""The backends with exact derivatives of every order (all but "sdpa")."""
 
 
 def _sdpa_math(q, k, v, *, causal, window, scale):
@@ -39,6 +46,15 @@ def _sdpa_math(q, k, v, *, causal, window, scale):
     mask = visible_keys(q.shape[2], k.shape[2], causal=causal, window=window, device=q.device)
     with sdpa_kernel(SDPBackend.MATH):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def _sdpa(q, k, v, *, causal, window, scale):
+    n, m = q.shape[2], k.shape[2]
+    every_key = not causal or n == 1  # bottom-right causal: a single query sees every key
+    if (window is None or window >= m) and (every_key or n == m):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=not every_key, scale=scale, enable_gqa=True)
+    mask = visible_keys(n, m, causal=causal, window=window, device=q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
 def attention(
@@ -55,11 +71,13 @@ def attention(
 
     q: (B, Hq, N, D); k, v: (B, Hkv, M, D) with Hq a multiple of Hkv. Returns (B, Hq, N, D).
     causal / window / scale as in `flashbob.flash_attention` (scale defaults to D ** -0.5).
-    With "sdpa_math", every query must see at least one key (true whenever N <= M and causal).
+    With "sdpa_math" and "sdpa", every query must see at least one key (true whenever N <= M and causal).
     """
     backend = AttentionBackend.parse(backend, "attention backend")
     if backend == "sdpa_math":
         return _sdpa_math(q, k, v, causal=causal, window=window, scale=scale)
+    if backend == "sdpa":
+        return _sdpa(q, k, v, causal=causal, window=window, scale=scale)
     kernel_backend = "auto" if backend == "flashbob" else "torch"
     return flashbob.flash_attention(q, k, v, causal=causal, window=window, scale=scale,
                                     backend=kernel_backend)

@@ -114,14 +114,17 @@ def rope_cos_sin(
     device: torch.device,
     scaling: RopeScaling | None = None,
     dtype: torch.dtype = torch.float32,
+    *,
+    start: int = 0,
 ) -> tuple[torch.Tensor, ...]:
-    """Rotary tables for positions 0..seq_len-1: cos and sin, each (seq_len, head_dim), in `dtype`
-    (float32, or float64 for a float64 model: the tables are computed in it); the frequencies (and for
-    YaRN the magnitude) scaled by `scaling` where given."""
+    """Rotary tables for positions start..seq_len-1: cos and sin, each (seq_len - start, head_dim), in
+    `dtype` (float32, or float64 for a float64 model: the tables are computed in it), row i the same
+    numbers as row start + i of the tables from 0 (decoding one position at a time); the frequencies (and
+    for YaRN the magnitude) scaled by `scaling` where given."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=dtype) / head_dim)
     if scaling is not None:
         inv_freq = scaling.apply(inv_freq, theta)
-    angles = torch.outer(torch.arange(seq_len, device=device, dtype=dtype), inv_freq)
+    angles = torch.outer(torch.arange(start, seq_len, device=device, dtype=dtype), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     magnitude = 1.0 if scaling is None else scaling.magnitude()
     return angles.cos() * magnitude, angles.sin() * magnitude

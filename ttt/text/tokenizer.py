@@ -1,12 +1,17 @@
-"""Tokenizers that need no download: UTF-8 bytes (the default), or a local Hugging Face tokenizer.json."""
+"""Tokenizers that need no download: UTF-8 bytes (the default), or a local Hugging Face tokenizer.json;
+and `TextStream`, the text of ids decoded one at a time (streaming generation)."""
 
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
 import numpy as np
+
+REPLACEMENT = "\ufffd"
+"""What decoding puts for bytes that are not UTF-8 (and ids that are no token)."""
 
 
 class Tokenizer(Protocol):
@@ -20,6 +25,10 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> np.ndarray:
         """Token ids of `text`, (n,) int32."""
 
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of token ids (n,), special tokens included; bytes that are not UTF-8 (a character
+        the ids end inside of, too) as U+FFFD."""
+
 
 class ByteTokenizer:
     """One token per UTF-8 byte: vocab_size 256, no special tokens."""
@@ -30,6 +39,13 @@ class ByteTokenizer:
     def encode(self, text: str) -> np.ndarray:
         """The UTF-8 bytes of `text`, (n,) int32."""
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The bytes ids (n,) as UTF-8 text, what is not UTF-8 as U+FFFD (ids outside 0..255, such as
+        a stream's BOS 256, each as one U+FFFD)."""
+        stand_in = REPLACEMENT.encode()
+        data = b"".join(bytes((i,)) if 0 <= i < 256 else stand_in for i in map(int, ids))
+        return data.decode("utf-8", errors="replace")
 
 
 class JsonTokenizer:
@@ -49,6 +65,10 @@ class JsonTokenizer:
     def encode(self, text: str) -> np.ndarray:
         """Token ids of `text`, (n,) int32, without added special tokens."""
         return np.asarray(self.tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of ids (n,), special tokens kept; partial UTF-8 bytes (byte-level BPE) as U+FFFD."""
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
 def _leading_special_token(tokenizer) -> int | None:
@@ -71,3 +91,45 @@ def load_tokenizer(spec: str) -> ByteTokenizer | JsonTokenizer:
             f"data.tokenizer={spec!r}: expected 'bytes' or a tokenizer.json file (or its directory)"
         )
     return JsonTokenizer(path)
+
+
+class TextStream:
+    """The text of token ids given one at a time, each piece once it is final: `push(id)` returns the text
+    it completes ("" while the ids end inside a character, for up to PENDING ids), `finish()` the rest
+    (an unfinished character as U+FFFD). Each push decodes only the ids since the previous piece and
+    those before it that a tokenizer may join to them (e.g. a leading space), whatever the length.
+
+        stream = TextStream(tokenizer)
+        for token in tokens: print(stream.push(token), end="")
+        print(stream.finish())
+    """
+
+    PENDING = 8
+    """Ids held back at most while they end inside a character (a UTF-8 character is at most 4 bytes)."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        """The ids of the previous piece, then those not yet given out as text."""
+        self.given = 0
+        """How many of `ids` are the previous piece's."""
+
+    def _new_text(self, final: bool) -> str:
+        before = self.tokenizer.decode(self.ids[: self.given])
+        text = self.tokenizer.decode(self.ids)
+        unfinished = text.endswith(REPLACEMENT) and len(self.ids) - self.given < self.PENDING
+        if len(text) <= len(before) or (unfinished and not final):
+            return ""
+        self.ids, self.given = self.ids[self.given :], len(self.ids) - self.given
+        return text[len(before) :]
+
+    def push(self, token: int) -> str:
+        """The text that token completes ("" while none is final)."""
+        self.ids.append(int(token))
+        return self._new_text(final=False)
+
+    def finish(self) -> str:
+        """The text of the ids not given out yet; the stream is then empty."""
+        rest = self._new_text(final=True)
+        self.ids, self.given = [], 0
+        return rest
