@@ -120,28 +120,6 @@ class TTTTransformer(SuffixReader):
         )
         return logits, scored, new_caches, carry
 
-    def read(
-        self,
-        tokens: torch.Tensor,
-        *,
-        adapt: bool | None = None,
-        steps: int | None = None,
-        first_order: bool | None = None,
-        lr_scale: float = 1.0,
-        outer_grad: bool = True,
-        keep_logits: bool = False,
-        loss_mask: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """Read the sequences tokens (B, N) chunk by chunk, side by side, each adapting its own fast
-        weights. Returns (logits (B, N, V) or None unless keep_logits, next-token losses (B, N - 1)).
-
-        adapt: update the fast weights (default ttt.enabled); steps: inner steps per chunk (default
-        inner.steps); first_order: default inner.first_order; lr_scale multiplies the inner learning
-        rates (warm-up); outer_grad=False detaches every chunk (evaluation: memory stays flat);
-        loss_mask (B, N - 1): the targets each chunk's inner loss counts (None: all).
-        """
-        options = read_options(
-            self.ttt_cfg, self.inner_cfg, adapt=adapt, steps=steps, first_order=first_order,
-            lr_scale=lr_scale, outer_grad=outer_grad, keep_logits=keep_logits,
-        )  # fmt: skip
-        return self._read(tokens, options, loss_mask)
+    def read_options(self, **arguments) -> ReadOptions:
+        """`read`'s arguments against ttt and inner (`fast_weights.read_options`)."""
+        return read_options(self.ttt_cfg, self.inner_cfg, **arguments)

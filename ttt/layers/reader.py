@@ -101,7 +101,7 @@ register_pytree_node(
 
 class ChunkedReader(nn.Module):
     """The chunk loop (module docstring) over a subclass's hooks: `_positions`, `_initial_caches`,
-    `_initial_state`, `_read_chunk`, `_detached`, and `read` (its options -> `_read`).
+    `_initial_state`, `_read_chunk`, `_detached`, and `read_options` (`read`'s arguments resolved).
     token_losses: tokens (B, N) -> next-token losses (B, N - 1); forward: tokens -> logits (B, N, V)."""
 
     ttt_cfg: TTTConfig
@@ -210,10 +210,36 @@ class ChunkedReader(nn.Module):
         logits = torch.cat(all_logits, dim=1) if options.keep_logits else None
         return logits, torch.cat(all_losses, dim=1), caches, carry
 
-    def read(self, tokens: torch.Tensor, **options) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """Hook: read tokens (B, N) with the subclass's options (resolved into a `ReadOptions`, then
-        `_read`). Returns (logits (B, N, V) or None unless keep_logits, next-token losses (B, N - 1))."""
+    def read_options(
+        self, *, adapt: bool | None, steps: int | None, first_order: bool | None, lr_scale: float,
+        outer_grad: bool, keep_logits: bool,
+    ) -> ReadOptions:  # fmt: skip
+        """Hook: `read`'s arguments resolved against the subclass's configs (the defaults of None)."""
         raise NotImplementedError
+
+    def read(
+        self,
+        tokens: torch.Tensor,
+        *,
+        adapt: bool | None = None,
+        steps: int | None = None,
+        first_order: bool | None = None,
+        lr_scale: float = 1.0,
+        outer_grad: bool = True,
+        keep_logits: bool = False,
+        loss_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Read the sequences tokens (B, N) chunk by chunk, each adapting its own state (fast weights,
+        memory). Returns (logits (B, N, V) or None unless keep_logits, next-token losses (B, N - 1)).
+
+        adapt: adapt while reading (default ttt.enabled; false: the same model without test-time
+        training); steps: inner steps per chunk (fast-weight readers; default inner.steps); first_order:
+        no graph of the adaptation (default the config's); lr_scale multiplies the inner learning rates
+        (warm-up); outer_grad=False detaches every chunk (evaluation: memory stays flat); loss_mask
+        (B, N - 1): the targets each chunk's inner loss counts (None: all)."""
+        options = self.read_options(adapt=adapt, steps=steps, first_order=first_order, lr_scale=lr_scale,
+                                    outer_grad=outer_grad, keep_logits=keep_logits)  # fmt: skip
+        return self._read(tokens, options, loss_mask)
 
     def token_losses(self, tokens: torch.Tensor, **options) -> torch.Tensor:
         """Next-token losses of every position, tokens (B, N) int64 -> (B, N - 1) float32; options as

@@ -114,30 +114,21 @@ class TransformersTTTReader(ChunkedReader):
         context = fed[:, fed.shape[1] - self.left_context(fed.shape[1]) :]  # the next chunk's left context
         return (logits if options.keep_logits else None), scored, [context], carry
 
-    def read(
-        self,
-        tokens: torch.Tensor,
-        *,
-        adapt: bool | None = None,
-        steps: int | None = None,
-        first_order: bool | None = None,
-        lr_scale: float = 1.0,
-        outer_grad: bool = True,
-        keep_logits: bool = False,
-        loss_mask: torch.Tensor | None = None,
+    def read_options(self, **arguments) -> ReadOptions:
+        """`read`'s arguments against ttt and inner (`fast_weights.read_options`); chunks are not recomputed
+        (inner.checkpoint is ignored)."""
+        return replace(read_options(self.ttt_cfg, self.inner_cfg, **arguments), checkpoint=False)
+
+    def _read(
+        self, tokens: torch.Tensor, options: ReadOptions, loss_mask: torch.Tensor | None = None
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """Read the sequences tokens (B, N) chunk by chunk, one after another, each adapting its own fast
-        weights. Returns (logits (B, N, V) or None unless keep_logits, next-token losses (B, N - 1)).
-        Options as in `TTTTransformer.read`; chunks are not recomputed (inner.checkpoint is ignored)."""
+        """The sequences of tokens (B, N) read one after another (the model adapts its own parameters:
+        unbatched fast weights), each by the engine's chunk loop."""
         check_tokens(tokens)
-        options = read_options(
-            self.ttt_cfg, self.inner_cfg, adapt=adapt, steps=steps, first_order=first_order,
-            lr_scale=lr_scale, outer_grad=outer_grad, keep_logits=keep_logits,
-        )  # fmt: skip
-        options = replace(options, checkpoint=False)
+        read_row = super()._read
         rows = [
-            self._read(row[None], options, None if loss_mask is None else loss_mask[i : i + 1])
+            read_row(row[None], options, None if loss_mask is None else loss_mask[i : i + 1])
             for i, row in enumerate(tokens)
         ]
-        logits = torch.cat([r[0] for r in rows]) if keep_logits else None
+        logits = torch.cat([r[0] for r in rows]) if options.keep_logits else None
         return logits, torch.cat([r[1] for r in rows])

@@ -104,32 +104,22 @@ class NeuralMemoryTransformer(SuffixReader):
         new_caches, weights, states = out
         return *self._score(x, chunk.targets, options.keep_logits), new_caches, (weights, states)
 
-    def read(
-        self,
-        tokens: torch.Tensor,
-        *,
-        adapt: bool | None = None,
-        first_order: bool | None = None,
-        lr_scale: float = 1.0,
-        outer_grad: bool = True,
-        keep_logits: bool = False,
-        loss_mask: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """Read the sequences tokens (B, N) chunk by chunk, side by side, each writing its own memory.
-        Returns (logits (B, N, V) or None unless keep_logits, next-token losses (B, N - 1)).
-
-        adapt: write the memories (default ttt.enabled; false: every chunk reads the initial memory);
-        first_order: default memory.first_order; lr_scale multiplies the memory learning rates (warm-up);
-        outer_grad=False detaches every chunk (evaluation: memory stays flat). loss_mask (B, N - 1) is
-        accepted for the learners' one interface; the writes' associative loss does not read targets.
-        """
+    def read_options(
+        self, *, adapt: bool | None, steps: int | None, first_order: bool | None, lr_scale: float,
+        outer_grad: bool, keep_logits: bool,
+    ) -> ReadOptions:  # fmt: skip
+        """`read`'s arguments against ttt and memory: adapt writes the memories (one write per chunk, so
+        no steps); first_order defaults to memory.first_order; lr_scale scales the writes' learning
+        rates. loss_mask is accepted for the learners' one interface: the writes' associative loss does
+        not read targets."""
+        if steps is not None:
+            raise ValueError(f"the neural memory writes once per chunk: steps must be None, got {steps}")
         adapt = self.ttt_cfg.enabled if adapt is None else adapt
         first_order = self.memory_cfg.first_order if first_order is None else first_order
         if adapt and not torch.is_grad_enabled():
             raise RuntimeError(
                 "the neural memory's writes need grad mode: wrap evaluation in torch.enable_grad()"
             )
-        options = ReadOptions(adapt=adapt, steps=int(adapt), create_graph=outer_grad and not first_order,
-                              lr_scale=lr_scale, outer_grad=outer_grad, keep_logits=keep_logits,
-                              checkpoint=self.memory_cfg.checkpoint and adapt)  # fmt: skip
-        return self._read(tokens, options, loss_mask)
+        return ReadOptions(adapt=adapt, steps=int(adapt), create_graph=outer_grad and not first_order,
+                           lr_scale=lr_scale, outer_grad=outer_grad, keep_logits=keep_logits,
+                           checkpoint=self.memory_cfg.checkpoint and adapt)  # fmt: skip
