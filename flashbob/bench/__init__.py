@@ -270,11 +270,19 @@ def sdpa_attention(backend, causal: bool):
     return attention
 
 
-def yardstick(causal: bool):
-    """The yardstick's attention: torch SDPA's flash backend (the math backend off CUDA, for tests)."""
+YARDSTICKS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION"}
+"""The yardsticks, torch SDPA backends by name: flash (FlashAttention-2 class, the first) and cuDNN's
+fused attention (FlashAttention-3 class on Hopper)."""
+
+
+def yardstick(causal: bool, kind: str = "flash"):
+    """A yardstick's attention: torch SDPA on the backend YARDSTICKS names (the math backend off CUDA, for
+    tests)."""
     from torch.nn.attention import SDPBackend
 
-    backend = SDPBackend.FLASH_ATTENTION if torch.cuda.is_available() else SDPBackend.MATH
+    if kind not in YARDSTICKS:
+        raise ValueError(f"yardstick kind must be one of {sorted(YARDSTICKS)}, got {kind!r}")
+    backend = getattr(SDPBackend, YARDSTICKS[kind]) if torch.cuda.is_available() else SDPBackend.MATH
     return sdpa_attention(backend, causal)
 
 

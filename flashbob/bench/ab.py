@@ -15,8 +15,9 @@ the BoB kernels exist.
 Cases: each (head dim, mask) of --d x --mask at --n tokens, --batch, --heads, --dtype. Modes: bob (the
 BoB launcher alone, on out, lse and dq made once per side by its own forward and backward) and step
 (forward, first backward and BoB launchers in a row: the kernel work of one second-order step,
-autograd's bookkeeping left out). Yardstick: torch SDPA flash forward + backward through autograd,
-timed in the same rounds.
+autograd's bookkeeping left out). Yardsticks: torch SDPA's flash backend forward + backward through
+autograd, and its cuDNN backend likewise (FlashAttention-3 class on Hopper; "-" where cuDNN refuses the
+shape), timed in the same rounds.
 
 Timing. A warm-up first compiles every side's kernels: --warm-jobs processes side by side, each
 running one (side, case) at a short length, fill Triton's on-disk cache, which the timing process
@@ -27,7 +28,7 @@ a training loop), whose mean per call is the round's time, in an order that rota
 round (A B Y, B Y A, Y A B, ...). A side's ratio to A is taken round by round; the table
 gives its median and [min, max] over the rounds (the spread: a ratio whose interval holds 1.00 is
 no difference), the median time (with --kernel-split also the rows and columns kernels' GPU ms from
-the profiler and the GPU's idle ms between the BoB's kernels), the ratio to the yardstick's median,
+the profiler and the GPU's idle ms between the BoB's kernels), the ratios to the yardsticks' medians,
 "host ms", the host's time per call to issue --iters calls back to back (the floor of a call's time
 where the GPU's work is shorter: short sequences), and "diff", the largest relative difference of
 the side's four BoB outputs to A's on the same inputs (bitwise-equal arithmetic: 0). Off CUDA
@@ -268,14 +269,21 @@ def run_case(results: Results, sides: list[Side], case: Case, modes: list[str], 
     for c in calls.values():
         del c["outputs"]
     causal, _ = parse_mask(case.mask)
-    yard = fwd_bwd_call(yardstick(causal), *inputs[:4])
-    yard()
+    yards = {"yardstick": fwd_bwd_call(yardstick(causal), *inputs[:4])}
+    yards["yardstick"]()
+    cudnn = fwd_bwd_call(yardstick(causal, "cudnn"), *inputs[:4])
+    try:
+        cudnn()
+        yards["cudnn"] = cudnn
+    except RuntimeError as err:  # the cuDNN backend refuses some shapes and GPUs: no second yardstick then
+        print(f"{case.mask} d{case.d}: no cuDNN yardstick ({str(err).splitlines()[0]})", file=sys.stderr)
     for mode in modes:
         fns = {name: c[mode] for name, c in calls.items()}
         for fn in fns.values():
             fn()
-        times = time_rounds({**fns, "yardstick": yard}, rounds, iters)
+        times = time_rounds({**fns, **yards}, rounds, iters)
         yard_ms = statistics.median(times["yardstick"])
+        cudnn_ms = statistics.median(times["cudnn"]) if "cudnn" in times else None
         host = {name: host_ms(fn, iters) for name, fn in fns.items()}
         split = {}
         if kernel_split and mode == "bob" and torch.cuda.is_available():
@@ -290,6 +298,7 @@ def run_case(results: Results, sides: list[Side], case: Case, modes: list[str], 
             results.record(**dataclasses.asdict(case), mode=mode, side=s.name, where=s.where, ms=ms,
                            ms_min=ms_min, ms_max=ms_max, ratio=ratio, ratio_min=ratio_min,
                            ratio_max=ratio_max, yardstick_ms=yard_ms, vs_yardstick=ms / yard_ms,
+                           cudnn_ms=cudnn_ms, vs_cudnn=None if cudnn_ms is None else ms / cudnn_ms,
                            diff=diffs[s.name], host_ms=host[s.name], rounds=rounds, iters=iters,
                            **split.get(s.name, {}))
     del calls, inputs
@@ -303,15 +312,17 @@ def table(rows: list[dict], info: dict) -> str:
              f"{info['rounds']} rounds of {info['iters']} calls; sides: "
              + ", ".join(f"{s['name']} = {s['where']}" for s in info["sides"]),
              "", "| case | mode | side | ms (median [min, max]) | ratio to A (median [min, max]) | "
-             "/ yardstick | yardstick ms | host ms | diff |", "|---|---|---|---|---|---|---|---|---|"]
+             "/ yardstick | yardstick ms | / cuDNN | cuDNN ms | host ms | diff |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         split = (f" (rows {r['rows_ms']:.2f}, cols {r['cols_ms']:.2f}, idle {r['idle_ms']:.2f})"
                  if r.get("rows_ms") is not None else "")
+        cudnn = "- | -" if r.get("cudnn_ms") is None else f"{r['vs_cudnn']:.2f} | {r['cudnn_ms']:.3f}"
         lines.append(
             f"| {r['mask']} d{r['d']} N{r['n']} {r['dtype']} | {r['mode']} | {r['side']} | "
             f"{r['ms']:.3f} [{r['ms_min']:.3f}, {r['ms_max']:.3f}]{split} | "
             f"{r['ratio']:.3f} [{r['ratio_min']:.3f}, {r['ratio_max']:.3f}] | {r['vs_yardstick']:.2f} | "
-            f"{r['yardstick_ms']:.3f} | {r['host_ms']:.3f} | {r['diff']:.1e} |")
+            f"{r['yardstick_ms']:.3f} | {cudnn} | {r['host_ms']:.3f} | {r['diff']:.1e} |")
     return "\n".join(lines) + "\n"
 
 

@@ -82,6 +82,7 @@ def test_ab_times_two_sides_and_the_yardstick(tmp_path, monkeypatch):
         (mask, mode, side) for mask in ("causal", "window8") for mode in ab.MODES for side in ("A", "again")]
     assert all(r["ratio"] == r["ratio_min"] == r["ratio_max"] == 1.0 and r["diff"] == 0.0 for r in rows)
     assert all(r["vs_yardstick"] == 1.0 and r["rounds"] == 2 and r["host_ms"] > 0 for r in rows)
+    assert all(r["vs_cudnn"] == 1.0 and r["cudnn_ms"] == 1.0 for r in rows)  # the second yardstick
     table = (tmp_path / "table.md").read_text()
     assert "| window8 d16 N20" in table and "A = " in table and "again = " in table
 
