@@ -199,9 +199,9 @@ def split_documents(cfg: TextDataConfig, tokenizer: Tokenizer) -> dict[str, list
     if len(documents) < 3:
         raise ValueError(f"data.corpus={cfg.corpus!r} has {len(documents)} documents; need at least 3")
     splits = {"train": [], "val": [], "test": []}
-    for i, text in enumerate(documents):
+    for i, tokens in enumerate(tokenizer.encode_batch(documents)):
         split = {0: "val", 1: "test"}.get(i % cfg.held_out_every, "train")
-        splits[split].append(tokenizer.encode(text))
+        splits[split].append(tokens)
     return splits
 
 

@@ -25,6 +25,9 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> np.ndarray:
         """Token ids of `text`, (n,) int32."""
 
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """`encode` of each text, [(n_i,) int32], possibly in parallel."""
+
     def decode(self, ids: Sequence[int]) -> str:
         """The text of token ids (n,), special tokens included; bytes that are not UTF-8 (a character
         the ids end inside of, too) as U+FFFD."""
@@ -39,6 +42,10 @@ class ByteTokenizer:
     def encode(self, text: str) -> np.ndarray:
         """The UTF-8 bytes of `text`, (n,) int32."""
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """`encode` of each text, [(n_i,) int32]."""
+        return [self.encode(text) for text in texts]
 
     def decode(self, ids: Sequence[int]) -> str:
         """The bytes ids (n,) as UTF-8 text, what is not UTF-8 as U+FFFD (ids outside 0..255, such as
@@ -65,6 +72,11 @@ class JsonTokenizer:
     def encode(self, text: str) -> np.ndarray:
         """Token ids of `text`, (n,) int32, without added special tokens."""
         return np.asarray(self.tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """`encode` of each text, [(n_i,) int32], on all cores (the `tokenizers` thread pool)."""
+        encodings = self.tokenizer.encode_batch(list(texts), add_special_tokens=False)
+        return [np.asarray(encoding.ids, dtype=np.int32) for encoding in encodings]
 
     def decode(self, ids: Sequence[int]) -> str:
         """The text of ids (n,), special tokens kept; partial UTF-8 bytes (byte-level BPE) as U+FFFD."""

@@ -80,6 +80,10 @@ def test_a_trained_tokenizer_puts_its_bos_first(tmp_path):
     tokenizer = text_tokenizer(cfg.data, cfg.model)
     assert 256 < tokenizer.vocab_size <= 300 and tokenizer.bos_id == 0  # a tiny corpus makes fewer merges
     assert 0 not in tokenizer.encode("def f(x): return x")
+    texts = ["def f(x): return x", "", "class A:\n    pass\n"]
+    batch = tokenizer.encode_batch(texts)  # the corpus is encoded this way, on all cores
+    assert [ids.tolist() for ids in batch] == [tokenizer.encode(text).tolist() for text in texts]
+    assert all(ids.dtype == np.int32 for ids in batch)
     stream = build_data(cfg, tokenizer).samples["train"].stream
     assert stream[0] == 0 and (stream == 0).sum() == 3  # the 3 training documents (of 9), each after its BOS
     small = load_config(stream_overrides(corpus, f"data.tokenizer={path}", "model.vocab_size=257"))
