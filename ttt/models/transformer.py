@@ -207,7 +207,8 @@ class Attention(nn.Module):
         k = project(self.wk, x).view(batch, seq, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
         v = project(self.wv, x).view(batch, seq, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
         if self.q_norm is not None:
-            q, k = per_head(self.q_norm, q), per_head(self.k_norm, k)
+            # Back to the projections' dtype: under autocast the norm's float32 gain promotes its output.
+            q, k = per_head(self.q_norm, q).to(v.dtype), per_head(self.k_norm, k).to(v.dtype)
         rotate = rope if cfg.fused_ops else apply_rope
         return rotate(q, cos, sin), rotate(k, cos, sin), v
 
