@@ -111,15 +111,17 @@ def test_a_run_trained_short_continues_at_a_longer_context(tiny_ttt_e2e, tmp_pat
 
 
 @pytest.mark.slow
-def test_the_125m_recipe_at_toy_size_trains_on_masked_slices_and_writes_every_position(tmp_path):
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_the_125m_recipe_at_toy_size_trains_on_masked_slices_and_writes_every_position(tmp_path, precision):
     """recipe=ttt_e2e_125m with its options on (QK-norm, post-norms, stream packing with BOS masking, chunk
     means, fixed inner lr) shrunk to seconds: the held-out objective is logged, and the test writes the
-    loss of every one of the seq_len positions."""
+    loss of every one of the seq_len positions. bf16-mixed is the recipe's own precision (CPU autocast
+    here): QK-norm once handed the attention float32 q, k beside a bf16 v there."""
     corpus = write_tiny_corpus(tmp_path / "corpus")
     overrides = [
         *tiny_text_run("ttt_e2e_125m", corpus, tmp_path / "runs"),
         "model.vocab_size=257", "model.d_ff=48", "model.n_heads=2", "data.seq_len=32", "ttt.chunk_len=8",
-        "ttt.sequences_per_pass=1", "eval.passkey_lengths=[120]", "trainer.precision=32-true",
+        "ttt.sequences_per_pass=1", "eval.passkey_lengths=[120]", f"trainer.precision={precision}",
         "optim.schedule_steps=2", "run.name=e2e",
     ]  # fmt: skip
     cfg = load_config(overrides)

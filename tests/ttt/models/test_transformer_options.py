@@ -41,6 +41,17 @@ def test_qk_norm_normalises_each_head_before_rope():
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "plain"])
+def test_qk_norm_under_bf16_autocast_gives_q_k_v_of_one_dtype(fused):
+    """bf16-mixed training (the 125M recipe on a GPU): the norm's float32 gain must not leave q and k in
+    float32 beside a bf16 v, which the attention kernels refuse."""
+    attn = Block(TransformerConfig(**SMALL, qk_norm=True, fused_ops=fused)).attn
+    cos, sin = rope_cos_sin(7, 8, 10000.0, torch.device("cpu"), dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        q, k, v = attn.project_qkv(torch.randn(1, 7, 12), cos, sin)
+    assert q.dtype == k.dtype == v.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "plain"])
 def test_block_with_qk_norm_and_post_norms_is_exact_to_the_second_derivative(fused):
     torch.manual_seed(1)
     cfg = TransformerConfig(**SMALL, qk_norm=True, post_norm=True, fused_ops=fused)
