@@ -6,6 +6,7 @@ losses of every step). Kill points are outer steps drawn at random (seeded, so a
 epoch's validation and the final test; one process, and 2 processes (gloo, ddp and fsdp) with the signal
 sent to rank 1 only. Each run is a subprocess of maml_sinusoid at toy size (7 s, 25 s with 2 processes)."""
 
+import csv
 import json
 import os
 import random
@@ -234,6 +235,29 @@ class _CrashBeforeStep(pl.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if trainer.global_step == self.step:
             raise _Crash
+
+
+def test_a_killed_run_keeps_the_metrics_of_the_steps_it_logged(tmp_path):
+    """SIGKILL (the OOM killer, a lost machine) as the third outer step starts: nothing can be saved then,
+    but the CSV log already holds the two steps logged before it (metrics reach the file at every
+    logging step, not every 100)."""
+    pidfile = tmp_path / "pid"
+    command = [sys.executable, str(SCRIPT), "step", "2", "0", str(pidfile), *SIX_STEPS, "run.name=run"]
+    env = {key: value for key, value in os.environ.items() if key not in ("MASTER_PORT", "TTT_RUN_DIR")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    process = subprocess.Popen(command, cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not pidfile.is_file() or not pidfile.read_text():
+        assert process.poll() is None, process.stderr.read()[-3000:]
+        assert time.monotonic() < deadline, "the run never reached the kill point"
+        time.sleep(0.05)
+    os.kill(int(pidfile.read_text()), signal.SIGKILL)
+    process.communicate(timeout=60)
+    assert process.returncode == -signal.SIGKILL
+    (metrics,) = (tmp_path / "runs" / "run" / "logs").rglob("metrics.csv")
+    with metrics.open() as handle:
+        steps = [int(row["step"]) for row in csv.DictReader(handle) if row.get("train/outer_loss")]
+    assert steps == [0, 1]
 
 
 @pytest.mark.parametrize("minutes", [1e-9, None], ids=["every-step", "off"])
