@@ -347,9 +347,8 @@ def make_trainer(
     elif tc.strategy == "ddp" or tc.world_size > 1:
         strategy = DDPStrategy(find_unused_parameters=tc.find_unused_parameters)
     # One log version per session (logs/version_0, version_1 after a resume, ...): a logger reusing a
-    # directory would delete the earlier metrics. Metrics reach the file at every logging step (Lightning's
-    # default, every 100 steps, would lose up to 100 steps' metrics to a crash and hide a run's progress).
-    loggers = [CSVLogger(save_dir=paths.root, name="logs", flush_logs_every_n_steps=tc.log_every_n_steps)]
+    # directory would delete the earlier metrics.
+    loggers = [CSVLogger(save_dir=paths.root, name="logs")]
     guard = DivergenceGuard(paths.last_checkpoint, cfg.inner_step_keys)
     if cfg.run.tensorboard and importlib.util.find_spec("tensorboard") is not None:
         loggers.append(TensorBoardLogger(save_dir=paths.root, name="tensorboard"))

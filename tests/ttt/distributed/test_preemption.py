@@ -239,8 +239,8 @@ class _CrashBeforeStep(pl.Callback):
 
 def test_a_killed_run_keeps_the_metrics_of_the_steps_it_logged(tmp_path):
     """SIGKILL (the OOM killer, a lost machine) as the third outer step starts: nothing can be saved then,
-    but the CSV log already holds the two steps logged before it (metrics reach the file at every
-    logging step, not every 100)."""
+    but the CSV log already holds the two steps logged before it (Lightning writes the file after every
+    logged step)."""
     pidfile = tmp_path / "pid"
     command = [sys.executable, str(SCRIPT), "step", "2", "0", str(pidfile), *SIX_STEPS, "run.name=run"]
     env = {key: value for key, value in os.environ.items() if key not in ("MASTER_PORT", "TTT_RUN_DIR")}
