@@ -254,6 +254,8 @@ def plot(rows: list[dict], out_dir: Path, workload: str | None = None) -> list[P
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from ttt.tracking.report import save_figure
+
     hvp = workload == "hvp"
     base = [r for r in rows if (hvp or r["order"] == "second") and not r["checkpoint"]]
     label = "peak GiB"
@@ -302,10 +304,8 @@ def plot(rows: list[dict], out_dir: Path, workload: str | None = None) -> list[P
         ax.grid(True, which="both", alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
-        fig.tight_layout()
         paths.append(out_dir / f"{name}.png")
-        fig.savefig(paths[-1], dpi=120)
-        plt.close(fig)
+        save_figure(fig, paths[-1])
     if hvp:
         return paths
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -327,10 +327,8 @@ def plot(rows: list[dict], out_dir: Path, workload: str | None = None) -> list[P
     ax.grid(True, alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7)
-    fig.tight_layout()
     paths.append(out_dir / "memory_vs_k.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    save_figure(fig, paths[-1])
     return paths
 
 

@@ -34,6 +34,11 @@ def _atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
         raise
 
 
+def atomic_write_bytes(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> None:
+    """Call `write(handle)` on a temporary file beside `path`, then put it at `path` atomically."""
+    _atomic_write(Path(path), write)
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Write `text` (UTF-8) to `path` atomically."""
     _atomic_write(Path(path), lambda handle: handle.write(text.encode()))

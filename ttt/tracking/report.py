@@ -18,6 +18,8 @@ import matplotlib
 matplotlib.use("Agg")
 from matplotlib import pyplot as plt  # noqa: E402  (after choosing the file-only backend)
 
+from .atomic import atomic_write_bytes  # noqa: E402
+
 TRAIN_CURVES = ("train/outer_loss", "train/inner_loss_first", "train/inner_loss_last", "train/loss")
 """Logged training losses drawn against the outer step (those a run logged)."""
 VAL_CURVES = ("val/query_loss_unadapted", "val/query_loss_adapted")
@@ -34,9 +36,10 @@ def new_figure(panels: int = 1) -> tuple[Any, list[Any]]:
 
 
 def save_figure(fig: Any, path: Path) -> None:
-    """Lay out, write `fig` to `path` (PNG, 120 dpi) and close it."""
+    """Lay out, write `fig` to `path` (PNG, 120 dpi) atomically (an interrupted write leaves the old file)
+    and close it."""
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    atomic_write_bytes(Path(path), lambda handle: fig.savefig(handle, format="png", dpi=120))
     plt.close(fig)
 
 

@@ -13,6 +13,7 @@ from ttt.inner import InnerLoopConfig
 from ttt.meta import MetaLearner
 from ttt.meta.outer import lr_multiplier
 from ttt.tracking import AtomicCheckpointIO, atomic_write_text, format_summary_table, write_summary
+from ttt.tracking.report import new_figure, save_figure
 
 
 class ShiftLearner(MetaLearner):
@@ -174,6 +175,26 @@ def test_atomic_checkpoint_keeps_the_old_file_when_a_save_fails(tmp_path, monkey
     monkeypatch.undo()
     assert torch.load(path, weights_only=False) == {"step": 1}
     assert [p.name for p in path.parent.iterdir()] == ["last.ckpt"]
+
+
+def test_a_figure_is_written_whole_or_not_at_all(tmp_path):
+    path = tmp_path / "curves.png"
+    fig, (ax,) = new_figure()
+    ax.plot([0, 1], [1, 0])
+    save_figure(fig, path)
+    before = path.read_bytes()
+    assert before.startswith(b"\x89PNG")
+    fig, (ax,) = new_figure()
+    ax.plot([0, 1], [float("nan"), 0])
+
+    def failing_savefig(handle, **kwargs):
+        handle.write(b"partial")
+        raise OSError("disk full")
+
+    fig.savefig = failing_savefig
+    with pytest.raises(OSError, match="disk full"):
+        save_figure(fig, path)
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["curves.png"]
 
 
 def test_summary_file_and_table(tmp_path):
