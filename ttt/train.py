@@ -32,7 +32,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from recipes import available_recipes, load_config
-from ttt.config import ConfigError, OuterOptimConfig, RecipeConfig, to_dict, to_yaml
+from ttt.config import ConfigError, RecipeConfig, to_dict, to_yaml
 from ttt.config.keys import format_config_keys
 from ttt.config.loading import recipe_description, recipe_header
 from ttt.meta.outer import lr_schedule_notes
@@ -167,30 +167,43 @@ def prepare(argv: list[str]) -> tuple[RecipeConfig, RunPaths | None, Path | None
         OmegaConf.update(saved, "optim.schedule_steps", OmegaConf.select(saved, "trainer.max_steps"))
     cfg = load_config(overrides, base=saved)
     cfg.resume = resume
-    check_optimizer_kept(load_config([], base=saved).optim, cfg)
+    check_kept_on_resume(load_config([], base=saved), cfg)
     return cfg, paths, checkpoint
 
 
-OPTIMIZER_KEYS_KEPT_ON_RESUME = ("name", "lr", "weight_decay", "beta1", "beta2")
-"""optim keys that a resume cannot change: the optimizer comes back from the checkpoint as it was saved
-(torch's load_state_dict keeps the saved settings of each parameter group, and the lr schedule the saved
-peak lr), so a new value would be silently ignored."""
+KEPT_ON_RESUME = (
+    "optim.name", "optim.lr", "optim.weight_decay", "optim.beta1", "optim.beta2",
+    "inner.lr_outer_lr", "compare.baseline_lr",
+)  # fmt: skip
+"""Keys that a resume cannot change: the optimizers come back from the checkpoint as they were saved
+(torch's load_state_dict keeps the saved settings of each parameter group: the learnable inner lrs'
+group at inner.lr_outer_lr, an optimizer comparison's baseline at compare.baseline_lr; and the lr schedule
+keeps the saved peak lr), so a new value would be silently ignored."""
 
 
-def check_optimizer_kept(saved: OuterOptimConfig, cfg: RecipeConfig) -> None:
-    """Raise ConfigError when the resumed config `cfg` changes one of `OPTIMIZER_KEYS_KEPT_ON_RESUME` of the
-    run's saved optim section."""
+def _select(config: dict, key: str):
+    """The value at dotted `key` of a nested dict, None where a section or key is absent."""
+    for part in key.split("."):
+        config = config.get(part) if isinstance(config, dict) else None
+    return config
+
+
+def check_kept_on_resume(saved: RecipeConfig, cfg: RecipeConfig) -> None:
+    """Raise ConfigError when the resumed config `cfg` changes one of `KEPT_ON_RESUME` of the run's saved
+    config `saved`."""
+    saved_values, new_values = to_dict(saved), to_dict(cfg)
     changed = [
-        f"optim.{key}={getattr(cfg.optim, key)} (the run's: {getattr(saved, key)})"
-        for key in OPTIMIZER_KEYS_KEPT_ON_RESUME
-        if getattr(cfg.optim, key) != getattr(saved, key)
+        f"{key}={_select(new_values, key)} (the run's: {_select(saved_values, key)})"
+        for key in KEPT_ON_RESUME
+        if _select(new_values, key) != _select(saved_values, key)
     ]
     if changed:
         raise ConfigError(
             f"resume={cfg.resume}: {', '.join(changed)} cannot change on resume: the run continues with the "
-            "optimizer saved in its checkpoint, which keeps its name, lr, betas and weight decay. Drop the "
-            "override (the schedule's keys optim.scheduler, warmup_steps, min_lr_ratio, schedule_steps and "
-            "optim.grad_clip can change), or start a new run with it"
+            "optimizers saved in its checkpoint, which keep their name, lr, betas and weight decay (the "
+            "learnable inner lrs' lr and a comparison's baseline lr too). Drop the override (the schedule's "
+            "keys optim.scheduler, warmup_steps, min_lr_ratio, schedule_steps and optim.grad_clip can "
+            "change), or start a new run with it"
         )
 
 

@@ -8,8 +8,10 @@ import os
 import pytest
 
 import ttt.train
+from recipes import load_config
+from ttt.config import ConfigError
 from ttt.tracking import CheckpointError, load_checkpoint
-from ttt.train import main
+from ttt.train import check_kept_on_resume, main
 
 
 @pytest.fixture
@@ -90,6 +92,28 @@ def test_a_resume_cannot_change_what_the_saved_optimizer_keeps(finished_run, cap
     err = capsys.readouterr().err
     assert "optim.lr=0.1 (the run's: 0.001), optim.beta1=0.5 (the run's: 0.9) cannot change on resume" in err
     assert _files(finished_run) == before
+
+
+def test_a_resume_cannot_change_the_learnable_inner_lrs_lr(tiny_overrides, tmp_path, capsys):
+    """The learnable inner lrs have a parameter group of their own at inner.lr_outer_lr, which the
+    checkpoint brings back as saved."""
+    learnable = ("inner.learnable_lr=tensor", "inner.lr_outer_lr=0.01")
+    assert main(tiny_overrides("maml_sinusoid", *learnable, "run.name=L")) == 0
+    run = tmp_path / "L"
+    before = _files(run)
+    assert main([f"resume={run}", "trainer.max_steps=4", "inner.lr_outer_lr=0.1"]) == 2
+    assert "inner.lr_outer_lr=0.1 (the run's: 0.01) cannot change on resume" in capsys.readouterr().err
+    assert _files(run) == before
+    assert main([f"resume={run}", "trainer.max_steps=4"]) == 0
+
+
+def test_a_resume_cannot_change_an_optimizer_comparisons_baseline_lr():
+    saved = load_config(["recipe=sophia_lm"])
+    resumed = load_config(["recipe=sophia_lm", "compare.baseline_lr=0.01"])
+    resumed.resume = "runs/S"
+    with pytest.raises(ConfigError, match=r"compare.baseline_lr=0.01 \(the run's: 0.002\) cannot change"):
+        check_kept_on_resume(saved, resumed)
+    check_kept_on_resume(saved, load_config(["recipe=sophia_lm", "optim.warmup_steps=3"]))
 
 
 @pytest.fixture
