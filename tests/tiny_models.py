@@ -4,6 +4,8 @@ Importing it skips the importing test module without transformers, and registers
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -63,3 +65,13 @@ def tiny_model(arch: str, attn: str, dtype=torch.float32, seed: int = 0, **overr
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides), attn_implementation=attn)
     return model.to(dtype).eval()
+
+
+def cached_forward(model, ids: torch.Tensor, cache=None, **kwargs):
+    """model(ids (B, n), use_cache=True, **kwargs), `cache` passed under the name this transformers takes
+    (`cache` since 5.25, `past_key_values` before, removed in 5.40): (logits (B, n, vocab), its cache)."""
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    if cache is not None:
+        kwargs[name] = cache
+    out = model(ids, use_cache=True, **kwargs)
+    return out.logits, out[name]

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from tiny_models import ARCHS, SLIDING_ARCHS, VOCAB, tiny_model
+from tiny_models import ARCHS, SLIDING_ARCHS, VOCAB, cached_forward, tiny_model
 from torch.func import functional_call
 
 from flashbob import triton_ops
@@ -179,8 +179,8 @@ def test_decoding_with_cache_equals_eager(arch):
     results = []
     for attn in ("eager", "bob"):
         model = tiny_model(arch, attn)
-        past = model(ids[:, :-2], use_cache=True).past_key_values
-        results.append(model(ids[:, -2:], past_key_values=past, use_cache=True).logits)
+        _, past = cached_forward(model, ids[:, :-2])
+        results.append(cached_forward(model, ids[:, -2:], past)[0])
     torch.testing.assert_close(results[1], results[0], rtol=1e-5, atol=1e-5)
 
 
@@ -220,8 +220,8 @@ def test_left_padded_decoding_with_cache_equals_eager(arch):
     results = []
     for attn in ("eager", "bob"):
         model = tiny_model(arch, attn)
-        past = model(ids[:, :-2], attention_mask=mask[:, :-2], use_cache=True).past_key_values
-        results.append(model(ids[:, -2:], attention_mask=mask, past_key_values=past, use_cache=True).logits)
+        _, past = cached_forward(model, ids[:, :-2], attention_mask=mask[:, :-2])
+        results.append(cached_forward(model, ids[:, -2:], past, attention_mask=mask)[0])
     torch.testing.assert_close(results[1], results[0], rtol=1e-5, atol=1e-5)
 
 
@@ -336,4 +336,4 @@ def test_static_cache_slots_are_refused():
     model = tiny_model("llama", "bob")
     cache = StaticCache(config=model.config, max_cache_len=32)
     with pytest.raises(UnsupportedAttentionError, match="kv_length=32"):
-        model(tokens(batch=1, n=10), past_key_values=cache, use_cache=True)
+        cached_forward(model, tokens(batch=1, n=10), cache)
