@@ -181,21 +181,14 @@ group at inner.lr_outer_lr, an optimizer comparison's baseline at compare.baseli
 keeps the saved peak lr), so a new value would be silently ignored."""
 
 
-def _select(config: dict, key: str):
-    """The value at dotted `key` of a nested dict, None where a section or key is absent."""
-    for part in key.split("."):
-        config = config.get(part) if isinstance(config, dict) else None
-    return config
-
-
 def check_kept_on_resume(saved: RecipeConfig, cfg: RecipeConfig) -> None:
     """Raise ConfigError when the resumed config `cfg` changes one of `KEPT_ON_RESUME` of the run's saved
     config `saved`."""
-    saved_values, new_values = to_dict(saved), to_dict(cfg)
+    saved_values, new_values = (OmegaConf.create(to_dict(c)) for c in (saved, cfg))
     changed = [
-        f"{key}={_select(new_values, key)} (the run's: {_select(saved_values, key)})"
+        f"{key}={OmegaConf.select(new_values, key)} (the run's: {OmegaConf.select(saved_values, key)})"
         for key in KEPT_ON_RESUME
-        if _select(new_values, key) != _select(saved_values, key)
+        if OmegaConf.select(new_values, key) != OmegaConf.select(saved_values, key)
     ]
     if changed:
         raise ConfigError(

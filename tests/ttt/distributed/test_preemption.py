@@ -81,6 +81,19 @@ def preempt_and_resume(
     return run, record, stderr
 
 
+def with_callback(monkeypatch, callback: pl.Callback):
+    """Make `ttt.train.make_trainer` add `callback` to every Trainer it makes; returns the original."""
+    make_trainer = ttt.train.make_trainer
+
+    def make_trainer_with_callback(*args, **kwargs):
+        trainer = make_trainer(*args, **kwargs)
+        trainer.callbacks.append(callback)
+        return trainer
+
+    monkeypatch.setattr(ttt.train, "make_trainer", make_trainer_with_callback)
+    return make_trainer
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     """extra overrides -> the run directory of SIX_STEPS without a signal (run once per module)."""
@@ -179,14 +192,7 @@ def test_a_second_ctrl_c_stops_at_once_and_keeps_the_last_checkpoint(
     """Ctrl-C twice as the second epoch starts, after the epoch-end checkpoint of step 3: the run stops there
     with status 130 and the command that resumes it, without finishing the step and saving its checkpoint
     at step 4 (what a single Ctrl-C does)."""
-    make_trainer = ttt.train.make_trainer
-
-    def impatient_trainer(*args, **kwargs):
-        trainer = make_trainer(*args, **kwargs)
-        trainer.callbacks.append(_CtrlCTwice(3))
-        return trainer
-
-    monkeypatch.setattr(ttt.train, "make_trainer", impatient_trainer)
+    make_trainer = with_callback(monkeypatch, _CtrlCTwice(3))
     run = tmp_path / "run"
     assert main([*SIX_STEPS, f"run.root={tmp_path}", "run.name=run"]) == INTERRUPTED
     err = capsys.readouterr().err
@@ -266,14 +272,7 @@ def test_checkpoints_by_time_let_a_crashed_run_resume_mid_epoch(
 ):
     """trainer.checkpoint_every_minutes tiny: a checkpoint at every outer-step boundary, so a run that dies
     after 2 of its epoch's 3 steps resumes from step 2 (without it, nothing was saved yet)."""
-    make_trainer = ttt.train.make_trainer
-
-    def crashing_trainer(*args, **kwargs):
-        trainer = make_trainer(*args, **kwargs)
-        trainer.callbacks.append(_CrashBeforeStep(2))
-        return trainer
-
-    monkeypatch.setattr(ttt.train, "make_trainer", crashing_trainer)
+    make_trainer = with_callback(monkeypatch, _CrashBeforeStep(2))
     overrides = [*SIX_STEPS, f"run.root={tmp_path}", "run.name=run"]
     with pytest.raises(_Crash):
         main([*overrides, f"trainer.checkpoint_every_minutes={'null' if minutes is None else minutes}"])

@@ -5,6 +5,7 @@ settings."""
 import pytest
 import torch
 import torch.nn.functional as F
+from reader_checks import assert_rows_read_as_if_alone, meta_loss
 
 from ttt.experiments.gpu_memory_meters import LiveTensorMeter
 from ttt.inner import InnerGatedMomentum, InnerSGD, inner_step
@@ -314,22 +315,8 @@ def test_each_sequence_of_a_batch_has_its_own_memory(variant):
     """Rows read side by side give each row's losses and outer gradient as if read alone (float64, a
     per-row gradient clip that binds)."""
     model = make(variant=variant, grad_clip=0.05, dtype=torch.float64)
-    x = tokens(batch=3)
-    together = model.token_losses(x)
-    params = list(model.parameters())
-    grads = torch.autograd.grad(together.mean(1).sum(), params)
-    alone_grads = [torch.zeros_like(p) for p in params]
-    for i in range(3):
-        alone = model.token_losses(x[i : i + 1])
-        torch.testing.assert_close(together[i : i + 1], alone, rtol=1e-9, atol=1e-10)
-        for total, g in zip(alone_grads, torch.autograd.grad(alone.mean(), params)):
-            total += g
-    for a, b in zip(grads, alone_grads):
-        torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-9)
-
-
-def _meta_loss(model, x, **options):
-    return model.token_losses(x, **options).mean()
+    losses_tol, grads_tol = dict(rtol=1e-9, atol=1e-10), dict(rtol=1e-7, atol=1e-9)
+    assert_rows_read_as_if_alone(model, tokens(batch=3), losses_tol, grads_tol)
 
 
 @pytest.mark.parametrize(
@@ -351,10 +338,10 @@ def test_outer_gradient_matches_finite_differences(variant, depth, write_grad, o
     )
     x = tokens(n=13, batch=1)
     names, params = zip(*model.named_parameters())
-    grads = torch.autograd.grad(_meta_loss(model, x), params)
+    grads = torch.autograd.grad(meta_loss(model, x), params)
     # first order: the write's keys and values enter only through its (constant) gradient, so W_K, W_V get
     # no outer gradient at all (W_K does with memory.normalize_step: the keys set the write's lr)
-    first_order = torch.autograd.grad(_meta_loss(model, x, first_order=True), params, materialize_grads=True)
+    first_order = torch.autograd.grad(meta_loss(model, x, first_order=True), params, materialize_grads=True)
     assert not first_order[names.index("layers.1.memory.wv.weight")].any()
     assert first_order[names.index("layers.1.memory.wk.weight")].any() == model.memory_cfg.normalize_step
     if along != "every parameter":
@@ -368,7 +355,7 @@ def test_outer_gradient_matches_finite_differences(variant, depth, write_grad, o
         with torch.no_grad():
             for param, d in zip(params, direction):
                 param.add_(shift * d)
-        values.append(_meta_loss(model, x, outer_grad=False))
+        values.append(meta_loss(model, x, outer_grad=False))
     finite_difference = (values[0] - values[1]) / (2 * h)
     torch.testing.assert_close(norm, finite_difference, rtol=5e-3, atol=0)
     assert norm > 1e-4  # not vacuous: first order gives exactly 0 along this direction

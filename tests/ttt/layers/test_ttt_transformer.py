@@ -3,6 +3,7 @@ through the inner steps exactly (float64 finite differences), and the options do
 
 import pytest
 import torch
+from reader_checks import assert_rows_read_as_if_alone, meta_loss
 
 from ttt.inner import InnerLoopConfig
 from ttt.layers import TTTConfig, TTTTransformer
@@ -96,22 +97,8 @@ def test_each_sequence_of_a_batch_gets_its_own_fast_weights(optimizer):
     _, model = make(
         steps=2, optimizer=optimizer, lr=0.05, grad_clip=0.05, learnable_lr="tensor", dtype=torch.float64
     )
-    x = tokens(batch=3)
-    together = model.token_losses(x)
-    params = list(model.parameters())
-    grads = torch.autograd.grad(together.mean(1).sum(), params)
-    alone_grads = [torch.zeros_like(p) for p in params]
-    for i in range(3):
-        alone = model.token_losses(x[i : i + 1])
-        torch.testing.assert_close(together[i : i + 1], alone, rtol=1e-6, atol=1e-7)
-        for total, g in zip(alone_grads, torch.autograd.grad(alone.mean(), params)):
-            total += g
-    for a, b in zip(grads, alone_grads):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
-
-
-def _meta_loss(model, x, **options):
-    return model.token_losses(x, **options).mean()
+    losses_tol, grads_tol = dict(rtol=1e-6, atol=1e-7), dict(rtol=1e-5, atol=1e-7)
+    assert_rows_read_as_if_alone(model, tokens(batch=3), losses_tol, grads_tol)
 
 
 @pytest.mark.parametrize("optimizer, lr", [("sgd", 0.5), ("momentum", 0.1)])
@@ -124,8 +111,8 @@ def test_outer_gradient_matches_finite_differences(optimizer, lr):
     )
     x = tokens(n=13, batch=1)
     params = list(model.parameters())
-    grads = torch.autograd.grad(_meta_loss(model, x), params)
-    first_order = torch.autograd.grad(_meta_loss(model, x, first_order=True), params)
+    grads = torch.autograd.grad(meta_loss(model, x), params)
+    first_order = torch.autograd.grad(meta_loss(model, x, first_order=True), params)
     norm = torch.sqrt(sum(g.square().sum() for g in grads))
     direction = [g / norm for g in grads]
     h, values = 1e-3, []
@@ -133,7 +120,7 @@ def test_outer_gradient_matches_finite_differences(optimizer, lr):
         with torch.no_grad():
             for param, d in zip(params, direction):
                 param.add_(shift * d)
-        values.append(_meta_loss(model, x, outer_grad=False))
+        values.append(meta_loss(model, x, outer_grad=False))
     finite_difference = (values[0] - values[1]) / (2 * h)
     torch.testing.assert_close(norm, finite_difference, rtol=5e-3, atol=0)
     first_order_slope = sum((g * d).sum() for g, d in zip(first_order, direction))
@@ -144,8 +131,8 @@ def test_first_order_drops_second_order_terms():
     _, model = make(steps=1)
     x = tokens(n=13, batch=1)
     name = "layers.2.ttt_mlp.w_gate.weight"
-    second = torch.autograd.grad(_meta_loss(model, x), model.get_parameter(name))[0]
-    first = torch.autograd.grad(_meta_loss(model, x, first_order=True), model.get_parameter(name))[0]
+    second = torch.autograd.grad(meta_loss(model, x), model.get_parameter(name))[0]
+    first = torch.autograd.grad(meta_loss(model, x, first_order=True), model.get_parameter(name))[0]
     assert not torch.allclose(first, second, rtol=1e-3, atol=1e-7)
 
 
@@ -154,7 +141,7 @@ def test_checkpointed_inner_steps_give_the_same_gradients():
     grads = []
     for use_checkpoint in (False, True):
         _, model = make(steps=2, optimizer="momentum", checkpoint=use_checkpoint, learnable_lr="element")
-        loss = _meta_loss(model, x)
+        loss = meta_loss(model, x)
         grads.append(torch.autograd.grad(loss, list(model.parameters()), allow_unused=True))
     for a, b in zip(*grads):
         assert (a is None) == (b is None)
@@ -171,7 +158,7 @@ def test_which_weights_are_fast_is_configurable(params):
     _, model = make(params=params)
     x = tokens(n=13, batch=1)
     assert not torch.allclose(model.token_losses(x)[:, 4:], model.token_losses(x, adapt=False)[:, 4:])
-    loss = _meta_loss(model, x)
+    loss = meta_loss(model, x)
     loss.backward()
     assert all(p.grad is not None for p in model.initial_fast_weights().values())
 
@@ -240,7 +227,7 @@ def test_flashbob_kernels_through_the_chunked_layer_match_eager(monkeypatch):
             for module in ("ttt.layers.suffix_block", "ttt.models.transformer"):
                 monkeypatch.setattr(importlib.import_module(module), "attention", triton_attention)
         x = torch.randint(0, 64, (1, 37), generator=torch.Generator().manual_seed(1)).to(device)
-        loss = _meta_loss(model, x)
+        loss = meta_loss(model, x)
         results.append((loss, torch.autograd.grad(loss, list(model.parameters()))))
     (eager_loss, eager_grads), (triton_loss, triton_grads) = results
     torch.testing.assert_close(triton_loss, eager_loss, rtol=1e-5, atol=1e-6)

@@ -39,17 +39,7 @@ def test_user_subclass_meta_trains_with_lightning_and_adapts_at_evaluation():
     model = nn.Linear(1, 1)
     inner = InnerLoopConfig(params=["bias"], steps=3, lr=0.3)
     learner = ShiftLearner(model, inner, OuterOptimConfig(lr=0.05, scheduler="constant"), total_steps=40)
-    batches = [_shift_batch(seed=i) for i in range(40)]
-    trainer = pl.Trainer(
-        max_steps=40,
-        inference_mode=False,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        accelerator="cpu",
-    )
-    trainer.fit(learner, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
+    trainer = _fit(learner, max_steps=40)
     assert learner.model.weight.item() == pytest.approx(1.0, abs=0.1)
     metrics = trainer.validate(
         learner, torch.utils.data.DataLoader([_shift_batch(seed=99)], batch_size=None)
