@@ -19,7 +19,10 @@ Measurements, one JSON line each (and appended to --out):
               after a prefill of `tokens` tokens: tokens_per_s, peak_gib during the decoding, state_gib
               (memory allocated after the prefill beyond the weights: the caches, the open chunk)
 A measurement that runs out of memory gives status "oom", a candidate that cannot run "unsupported"
-(with the error), and the next one runs. A last line {"summary": ...} holds the goals' ratios (`goals`).
+(with the error), and the next one runs. Each row is printed (and appended to --out) as soon as it is
+measured, so a run stopped early keeps what it measured; stderr names each measurement as it starts. A
+last line {"summary": ..., "best": ...} holds the goals' ratios (`goals`) and the fastest candidate of
+each (mode, measure, tokens).
 --tiny: a toy-size model of the recipe on the CPU in float32, lengths 48 and 96: it checks the logic,
 its times mean nothing.
 """
@@ -34,7 +37,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -157,9 +160,10 @@ def candidates(mode: str) -> dict[str, tuple[str | None, SDPBackend | None]]:
     return FULL_ATTENTION if mode == "full" else {"recipe": (None, None)}
 
 
-def run_mode(mode: str, overrides: list[str], args: argparse.Namespace, device: torch.device) -> list[dict]:
-    """The rows of one mode: every candidate's prefill at each length and decode after each context."""
-    section, rows = model_section(overrides), []
+def run_mode(mode: str, overrides: list[str], args: argparse.Namespace, device: torch.device) -> Iterator[dict]:
+    """The rows of one mode, each yielded once measured: every candidate's prefill at each length and
+    decode after each context."""
+    section = model_section(overrides)
     for name, (backend, kernel) in candidates(mode).items():
         mode_overrides = [*overrides, *(item.format(model=section) for item in MODES[mode])]
         if backend is not None:
@@ -174,10 +178,11 @@ def run_mode(mode: str, overrides: list[str], args: argparse.Namespace, device: 
         steps = args.decode_tokens or 2 * model.ttt_cfg.chunk_len
         plan = [("prefill", n) for n in args.lengths] + [("decode", n) for n in args.decode_after]
         with held:
-            for measure, tokens in plan:
+            for index, (measure, tokens) in enumerate(plan):
                 row = {**base, "measure": measure, "tokens": tokens}
+                print(f"{mode}/{name}: {measure} {tokens} tokens", file=sys.stderr, flush=True)
                 try:
-                    if not rows or rows[-1]["attention"] != name:  # warm-up: compilation, autotuning
+                    if index == 0:  # warm-up: compilation, autotuning
                         measure_decode(model, warm_up_length(model, args.lengths[0]), 2, device)
                     if measure == "prefill":
                         row.update(status="ok", **measure_prefill(model, tokens, args.repeats, device))
@@ -188,18 +193,22 @@ def run_mode(mode: str, overrides: list[str], args: argparse.Namespace, device: 
                     row.update(
                         status=status, error=str(err).splitlines()[0] if str(err) else type(err).__name__
                     )
-                rows.append(row)
+                yield row
                 reset_peak(device)
         del model
         reset_peak(device)
-    return mark_best(rows)
+
+
+def same_measurement(a: dict, b: dict) -> bool:
+    """Whether two rows measure the same thing (mode, measure, tokens), by rival candidates or alike."""
+    return all(a[key] == b[key] for key in ("mode", "measure", "tokens"))
 
 
 def mark_best(rows: list[dict]) -> list[dict]:
-    """rows with best=True on the fastest ok candidate of each (measure, tokens), False on the others."""
+    """rows with best=True on the fastest ok candidate of each (mode, measure, tokens), False on the others."""
     speed = {"prefill": lambda row: -row["ms_per_1k_tokens"], "decode": lambda row: row["tokens_per_s"]}
     for row in rows:
-        rivals = [r for r in rows if (r["measure"], r["tokens"]) == (row["measure"], row["tokens"])]
+        rivals = [r for r in rows if same_measurement(r, row)]
         ok = [r for r in rivals if r["status"] == "ok"]
         row["best"] = bool(ok) and row is max(ok, key=speed[row["measure"]])
     return rows
@@ -288,13 +297,24 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": str(args.dtype).removeprefix("torch."),
         "commit": commit(),
     }
-    rows = [{**context, **row} for mode in modes for row in run_mode(mode, overrides, args, device)]
-    lines = [json.dumps(row) for row in rows] + [json.dumps({**context, "summary": goals(rows)})]
-    print("\n".join(lines), flush=True)
-    if args.out:
-        with open(args.out, "a") as file:
-            file.write("\n".join(lines) + "\n")
+    rows = []
+    for mode in modes:
+        for row in run_mode(mode, overrides, args, device):
+            rows.append({**context, **row})
+            emit(rows[-1], args.out)
+    best = [{key: row[key] for key in ("mode", "attention", "measure", "tokens")}
+            for row in mark_best(rows) if row["best"]]  # fmt: skip
+    emit({**context, "summary": goals(rows), "best": best}, args.out)
     return 0
+
+
+def emit(line: dict, out: str | None) -> None:
+    """Print line as JSON and append it to the file out (when given), both flushed at once."""
+    text = json.dumps(line)
+    print(text, flush=True)
+    if out:
+        with open(out, "a") as file:
+            file.write(text + "\n")
 
 
 if __name__ == "__main__":

@@ -10,11 +10,14 @@ from ttt.experiments import generation
 
 @pytest.mark.parametrize("recipe", ["ttt_e2e_125m", "pretrained/llama3_2_1b"])
 def test_tiny_rows_for_every_mode_candidate_and_length(recipe, tmp_path, capsys):
+    """Every row is printed and written as measured, with its measurement named on stderr first."""
     out = tmp_path / "rows.jsonl"
     args = [f"recipe={recipe}", "--tiny", "--modes", "ttt,full", "--repeats", "1", "--decode-tokens", "20"]
     assert generation.main([*args, "--out", str(out)]) == 0
     lines = [json.loads(line) for line in out.read_text().splitlines()]
-    assert capsys.readouterr().out.splitlines() == out.read_text().splitlines()
+    printed = capsys.readouterr()
+    assert printed.out.splitlines() == out.read_text().splitlines()
+    assert len(printed.err.splitlines()) == len(lines) - 1 and "ttt/recipe: prefill 48 tokens" in printed.err
     rows, summary = lines[:-1], lines[-1]
     plan = [("prefill", 48), ("prefill", 96), ("decode", 48), ("decode", 96)]
     by_attention = {}
@@ -27,9 +30,12 @@ def test_tiny_rows_for_every_mode_candidate_and_length(recipe, tmp_path, capsys)
         ("full", "sdpa_flash"): plan,
         ("full", "sdpa_cudnn"): plan,
     }
+    best = summary["best"]
     for row in rows:
+        assert "best" not in row  # printed when measured, before its rivals
         if row["attention"] == "sdpa_cudnn":  # no cuDNN on the CPU
-            assert row["status"] == "unsupported" and not row["best"] and row["error"]
+            assert row["status"] == "unsupported" and row["error"]
+            assert all(b["attention"] != "sdpa_cudnn" for b in best)
             continue
         assert row["status"] == "ok" and row["peak_gib"] is None  # no CUDA memory to count
         if row["measure"] == "prefill":
@@ -40,8 +46,7 @@ def test_tiny_rows_for_every_mode_candidate_and_length(recipe, tmp_path, capsys)
     assert "ttt.enabled=false" in full and full[-2].endswith("window=null") and full[-1].endswith("=flashbob")
     for measure, tokens in plan:
         for mode in ("ttt", "full"):
-            rivals = [r for r in rows if (r["mode"], r["measure"], r["tokens"]) == (mode, measure, tokens)]
-            assert sum(r["best"] for r in rivals) == 1
+            assert sum((b["mode"], b["measure"], b["tokens"]) == (mode, measure, tokens) for b in best) == 1
     goals = summary["summary"]
     assert set(goals["prefill_speedup_vs_full"]) == {"48", "96"}
     assert all(value > 0 for value in goals["prefill_speedup_vs_full"].values())
