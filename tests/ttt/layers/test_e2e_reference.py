@@ -217,3 +217,28 @@ def test_the_reference_sees_second_order_terms_a_first_order_reading_lacks(learn
     g_first = torch.autograd.grad(learner.objective(first, batch["loss_mask"]).mean(), params)
     g_second = torch.autograd.grad(learner.objective(second, batch["loss_mask"]).mean(), params)
     assert max((a - b).abs().max().item() for a, b in zip(g_first, g_second)) > 1e-6
+
+
+@pytest.mark.slow
+def test_without_ttt_the_recipe_equals_the_literal_algorithm_with_no_inner_step():
+    """ttt.enabled=false (the baseline of the short runs in docs/scale.md) is the same model read with
+    its initial fast weights: the reference at inner lr 0, loss and every gradient to 1e-10."""
+    torch.manual_seed(0)
+    learner = build_module(load_config([*TINY, "ttt.enabled=false"])).double()
+    model, cfg = learner.model, learner.model.cfg
+    batch = sample_batch()
+    params = [p for p in learner.parameters() if p.requires_grad]
+    ours = sum(learner.pass_loss(rows, len(batch["tokens"]))[0] for rows in learner.split_passes(batch))
+    our_grads = torch.autograd.grad(ours, params, allow_unused=True)
+    theirs = torch.stack(
+        [reference_loss(model, row, 0.0, cfg.rope_theta, cfg.n_heads, []) for row in batch["tokens"]]
+    ).mean()
+    their_grads = torch.autograd.grad(theirs, params, allow_unused=True)
+
+    torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-10)
+    names = [name for name, p in learner.named_parameters() if p.requires_grad]
+    for name, mine, reference in zip(names, our_grads, their_grads):
+        assert (mine is None) == (reference is None), name
+        if mine is not None:
+            torch.testing.assert_close(mine, reference, rtol=1e-10, atol=1e-10, msg=name)
+    assert all(g is not None for name, g in zip(names, our_grads) if "ttt_mlp" in name)
