@@ -160,7 +160,9 @@ def candidates(mode: str) -> dict[str, tuple[str | None, SDPBackend | None]]:
     return FULL_ATTENTION if mode == "full" else {"recipe": (None, None)}
 
 
-def run_mode(mode: str, overrides: list[str], args: argparse.Namespace, device: torch.device) -> Iterator[dict]:
+def run_mode(
+    mode: str, overrides: list[str], args: argparse.Namespace, device: torch.device
+) -> Iterator[dict]:
     """The rows of one mode, each yielded once measured: every candidate's prefill at each length and
     decode after each context."""
     section = model_section(overrides)
@@ -205,7 +207,8 @@ def same_measurement(a: dict, b: dict) -> bool:
 
 
 def mark_best(rows: list[dict]) -> list[dict]:
-    """rows with best=True on the fastest ok candidate of each (mode, measure, tokens), False on the others."""
+    """rows with best=True on the fastest ok candidate of each (mode, measure, tokens), False on the
+    others."""
     speed = {"prefill": lambda row: -row["ms_per_1k_tokens"], "decode": lambda row: row["tokens_per_s"]}
     for row in rows:
         rivals = [r for r in rows if same_measurement(r, row)]
