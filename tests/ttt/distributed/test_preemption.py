@@ -186,8 +186,18 @@ class _CtrlCTwice(pl.Callback):
         raise AssertionError("a second Ctrl-C did not stop the run")
 
 
+@pytest.fixture
+def python_sigint():
+    """SIGINT handled as in a fresh Python process for the test, the handler before it put back after: in
+    the suite's xdist workers another test's library once left SIGINT ignored (SIG_IGN), which the run
+    then rightly restored."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 def test_a_second_ctrl_c_stops_at_once_and_keeps_the_last_checkpoint(
-    uninterrupted, tmp_path, monkeypatch, capsys
+    uninterrupted, tmp_path, monkeypatch, capsys, python_sigint
 ):
     """Ctrl-C twice as the second epoch starts, after the epoch-end checkpoint of step 3: the run stops there
     with status 130 and the command that resumes it, without finishing the step and saving its checkpoint
