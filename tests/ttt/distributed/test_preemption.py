@@ -189,8 +189,8 @@ class _CtrlCTwice(pl.Callback):
 @pytest.fixture
 def python_sigint():
     """SIGINT handled as in a fresh Python process for the test, the handler before it put back after: in
-    the suite's xdist workers another test's library once left SIGINT ignored (SIG_IGN), which the run
-    then rightly restored."""
+    CI's xdist workers SIGINT was found ignored (SIG_IGN) after the first kernel test (not found alone,
+    nor set by this project's code), and the run rightly restored that handler."""
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
     signal.signal(signal.SIGINT, previous)
