@@ -3,7 +3,7 @@ Lightning training step on random tokens (time and memory do not depend on the v
 without the second-order term.
 
     python -m ttt.experiments.scale recipe=ttt_e2e_125m [key=value ...] [--steps 3]
-        [--modes second,first,off] [--out results.jsonl] [--profile]
+        [--modes second,first,off] [--out results.jsonl] [--profile] [--sources]
 
 Modes: second (the recipe as configured: exact second order), first (inner.first_order=true), off
 (ttt.enabled=false: the same model without test-time training). Each mode builds the learner afresh,
@@ -17,6 +17,9 @@ runs one warm-up outer step (compilation) and --steps timed ones. One JSON line 
     mfu               model_tflop / s_per_step / the accelerator's dense bf16 peak (`PEAK_TFLOPS`)
     profile           with --profile: one more step's CUDA kernel time by category and its largest
                       kernels (`ttt.experiments.step_profile`), after the timed steps
+    sources           with --sources: one more step's kernel time by the op, autograd node and
+                      line of this project that launched it (`attribute_device_time`; the host's
+                      ops recorded too, so that step runs slower)
 A mode that runs out of memory gives status "oom" and the next mode runs.
 """
 
@@ -92,14 +95,15 @@ def peak_tflops() -> float | None:
     return next((peak for key, peak in PEAK_TFLOPS.items() if key in name), None)
 
 
-def measure(overrides: list[str], steps: int, profile: bool = False) -> dict:
+def measure(overrides: list[str], steps: int, profile: bool = False, sources: bool = False) -> dict:
     """One mode: build the recipe's learner, train warm-up + `steps` outer steps on random tokens;
-    profile: also profile one more step after the timed ones (`StepProfiler`; not in s_per_step)."""
+    profile: also profile one more step after the timed ones (`StepProfiler`; not in s_per_step);
+    sources: one more after that, with the host's ops and stacks (`StepProfiler(sources=True)`)."""
     from recipes import load_builder
 
     cfg = load_config(overrides)
     # The learner trains these steps (its run's length), on the recipe's lr schedule (optim.schedule_steps).
-    cfg.trainer.max_steps = 1 + steps + (1 if profile else 0)
+    cfg.trainer.max_steps = 1 + steps + profile + sources
     builder = load_builder(cfg.builder)
     if not hasattr(builder, "build_module"):
         raise SystemExit(f"error: recipe {cfg.recipe} (builder {cfg.builder}) is not a text TTT recipe")
@@ -120,6 +124,7 @@ def measure(overrides: list[str], steps: int, profile: bool = False) -> dict:
     }
     timer = OuterStepTimer(warmup=1)
     profiler = StepProfiler(step=1 + steps) if profile else None
+    attributor = StepProfiler(step=1 + steps + profile, sources=True) if sources else None
     trainer = pl.Trainer(
         max_steps=cfg.trainer.max_steps,
         accelerator=cfg.trainer.accelerator,
@@ -133,7 +138,7 @@ def measure(overrides: list[str], steps: int, profile: bool = False) -> dict:
         limit_val_batches=0,
         num_sanity_val_steps=0,
         inference_mode=False,
-        callbacks=[timer] if profiler is None else [timer, profiler],
+        callbacks=[callback for callback in (timer, profiler, attributor) if callback is not None],
     )
     stream = cfg.data.packing == "stream"  # slices of seq_len + 1 tokens: seq_len targets
     tokens = RandomTokens(model_cfg.vocab_size, rows, seq_len + stream, cfg.seed, masked=stream)
@@ -159,6 +164,8 @@ def measure(overrides: list[str], steps: int, profile: bool = False) -> dict:
     )
     if profiler is not None:
         row["profile"] = profiler.summary
+    if attributor is not None:
+        row["sources"] = None if attributor.summary is None else attributor.summary["sources"]
     return row
 
 
@@ -186,14 +193,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=3, help="timed outer steps after one warm-up step")
     parser.add_argument("--modes", default="second,first,off", help=f"comma-separated, of {list(MODES)}")
     parser.add_argument("--out", help="append one JSON line per mode to this file")
-    parser.add_argument("--profile", action="store_true", help="profile the first timed step's kernels")
+    parser.add_argument("--profile", action="store_true", help="profile one more step's kernels")
+    parser.add_argument("--sources", action="store_true", help="attribute one more step's kernel time")
     args = parser.parse_intermixed_args(argv)
     modes = args.modes.split(",")
     unknown = [mode for mode in modes if mode not in MODES]
     if unknown or args.steps < 1:
         parser.error(f"--modes must be of {list(MODES)} (got {unknown}), --steps >= 1 (got {args.steps})")
     for mode in modes:
-        row = {"mode": mode, **measure(args.overrides + MODES[mode], args.steps, args.profile)}
+        row = {"mode": mode, **measure(args.overrides + MODES[mode], args.steps, args.profile, args.sources)}
         line = json.dumps(row)
         print(line, flush=True)
         if args.out:

@@ -11,11 +11,18 @@ Categories, from the kernel's name: attention (the FlashBoB Triton kernels of `f
 (PyTorch's own element-wise, reduction and indexing kernels), copy (memory copies and fills), other.
 busy_fraction = kernel_ms / wall_ms: well under 1 means the host (Python, launches) leaves the
 accelerator idle.
+
+With sources=True the profile also records the host's ops and their Python stacks, and the summary
+gains "sources" (`attribute_device_time`): which op, in which autograd node or the forward, called from
+which line of this project, launched the kernels (copies and element-wise kernels have generic names).
+Recording the host slows it, so wall_ms and busy_fraction of such a profile overstate the host's share.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
@@ -63,14 +70,63 @@ def summarize_kernels(kernels: list[tuple[str, float, int]], wall_ms: float, top
     }
 
 
+PROJECT_ROOT = str(Path(__file__).resolve().parents[2])
+PROJECT_PACKAGES = ("ttt/", "flashbob/", "recipes/")
+"""A frame is the project's where its file is in one of these packages: the profiler names a file by its
+path under the sys.path entry it was imported from ("ttt/models/mlp.py(20): forward"), or in full."""
+NODE_PREFIX = "autograd::engine::evaluate_function: "
+
+
+def project_frame(stack: Iterable[str] | None) -> str | None:
+    """The innermost frame ("path(line): function") of a profiler event's Python stack (innermost first)
+    in the project's code (`PROJECT_PACKAGES`), its path relative to the repository; or None."""
+    for frame in stack or ():
+        relative = frame.removeprefix(PROJECT_ROOT).lstrip("/")
+        if relative.startswith(PROJECT_PACKAGES):
+            return relative
+    return None
+
+
+def attribute_device_time(
+    events: Iterable, time_of: Callable = lambda event: event.self_device_time_total, top: int = 25
+) -> list[dict]:
+    """Kernel time by who launched it. events: a torch.profiler profile's `events()` (recorded with CPU
+    activity and with_stack); time_of(event): an op's own kernel time in microseconds (self device
+    time; other clocks in tests). Each op with time is keyed by its name, the autograd node it ran in
+    ("forward" outside any), and the innermost project frame among its callers (None where there is
+    none, as in nodes the engine runs). Returns the `top` keys by time:
+    [{"op", "node", "frame", "ms", "calls"}], largest first."""
+    totals: dict[tuple, list] = {}
+    for event in events:
+        if event.device_type != torch.autograd.DeviceType.CPU:  # a kernel's own event: its launcher has it
+            continue
+        microseconds = time_of(event)
+        if microseconds <= 0:
+            continue
+        node, frame, caller = "forward", None, event
+        while caller is not None:
+            if frame is None:  # a Python frame is on the stack, or (newer torch) an event of its own
+                frame = project_frame([*(caller.stack or ()), caller.name])
+            if caller.name.startswith(NODE_PREFIX):
+                node = caller.name.removeprefix(NODE_PREFIX)
+                break
+            caller = caller.cpu_parent
+        total = totals.setdefault((event.name, node, frame), [0.0, 0])
+        total[0] += microseconds / 1e3
+        total[1] += 1
+    ranked = sorted(totals.items(), key=lambda item: -item[1][0])[:top]
+    return [{"op": op, "node": node, "frame": frame, "ms": ms, "calls": calls}
+            for (op, node, frame), (ms, calls) in ranked]  # fmt: skip
+
+
 class StepProfiler(pl.Callback):
     """Profiles training batch number `step` (0-based) on CUDA; `summary` holds `summarize_kernels`'
-    dict afterwards (None before, or off CUDA)."""
+    dict afterwards (None before, or off CUDA), with sources its "sources" too (module docstring)."""
 
-    def __init__(self, step: int = 1):
+    def __init__(self, step: int = 1, *, sources: bool = False):
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
-        self.step = step
+        self.step, self.sources = step, sources
         self.summary: dict | None = None
         self._profiler = None
         self._start = 0.0
@@ -79,7 +135,10 @@ class StepProfiler(pl.Callback):
         if trainer.global_step != self.step or pl_module.device.type != "cuda":
             return
         torch.cuda.synchronize(pl_module.device)
-        self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+        activities = [torch.profiler.ProfilerActivity.CUDA]
+        if self.sources:
+            activities.append(torch.profiler.ProfilerActivity.CPU)
+        self._profiler = torch.profiler.profile(activities=activities, with_stack=self.sources)
         self._profiler.__enter__()
         self._start = time.perf_counter()
 
@@ -95,4 +154,6 @@ class StepProfiler(pl.Callback):
             if event.device_time_total > 0 and event.device_type == torch.autograd.DeviceType.CUDA
         ]
         self.summary = summarize_kernels(rows, wall_ms)
+        if self.sources:
+            self.summary["sources"] = attribute_device_time(self._profiler.events())
         self._profiler = None

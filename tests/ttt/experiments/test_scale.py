@@ -24,13 +24,15 @@ def test_model_flops_count_the_matrices_the_head_and_the_visible_keys():
 def test_one_row_per_mode_from_the_recipes_training_step(tmp_path, capsys):
     out = tmp_path / "rows.jsonl"
     args = ["recipe=ttt_e2e", "trainer.meta_batch_size=2", "data.seq_len=64", "model.attention=eager"]
-    assert scale.main([*args, "--steps", "1", "--modes", "second,off", "--out", str(out)]) == 0
+    options = ["--steps", "1", "--modes", "second,off", "--profile", "--sources", "--out", str(out)]
+    assert scale.main([*args, *options]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [row["mode"] for row in rows] == ["second", "off"]
     for row in rows:
         assert row["status"] == "ok" and row["sequences"] == 2 and row["seq_len"] == 64
         assert row["s_per_step"] > 0 and row["tokens_per_s"] > 0 and row["model_tflop"] > 0
         assert row["peak_gib"] is None and row["mfu"] is None  # no CUDA here
+        assert row["profile"] is None and row["sources"] is None  # their steps ran; they profile CUDA only
     assert rows[1]["overrides"][-1] == "ttt.enabled=false"
 
 

@@ -1,8 +1,18 @@
-"""`ttt.experiments.step_profile`: kernel names sorted into categories, and the step summary."""
+"""`ttt.experiments.step_profile`: kernel names sorted into categories, the step summary, and kernel time
+attributed to the op, autograd node and project line that launched it."""
 
 import pytest
+import torch
 
-from ttt.experiments.step_profile import StepProfiler, kernel_category, summarize_kernels
+from ttt.experiments.step_profile import (
+    PROJECT_ROOT,
+    StepProfiler,
+    attribute_device_time,
+    kernel_category,
+    project_frame,
+    summarize_kernels,
+)
+from ttt.models.transformer import residual
 
 
 @pytest.mark.parametrize(
@@ -36,3 +46,28 @@ def test_summary_sums_categories_and_ranks_kernels():
 def test_profiler_refuses_a_negative_step():
     with pytest.raises(ValueError, match="step must be >= 0"):
         StepProfiler(step=-1)
+
+
+def test_sources_name_the_op_its_autograd_node_and_the_project_line_that_ran_it():
+    """On the CPU, with host time for device time: the forward's addition is attributed to the project's
+    line that ran it (`residual`), the backward's to its autograd node (the engine runs it: no frame)."""
+    x = torch.randn(64, 64, requires_grad=True)
+    y = torch.randn(64, 64, requires_grad=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_stack=True) as prof:
+        torch.autograd.grad((residual(x, y, None) * y).sum(), (x, y))
+    rows = attribute_device_time(prof.events(), time_of=lambda event: event.self_cpu_time_total, top=100)
+    add = [r for r in rows if r["op"] == "aten::add" and r["node"] == "forward"]
+    assert len(add) == 1 and add[0]["calls"] == 1
+    assert add[0]["frame"].startswith("ttt/models/transformer.py(") and add[0]["frame"].endswith(": residual")
+    outside = [r for r in rows if r["op"] == "aten::mul" and r["node"] == "forward"]
+    assert len(outside) == 1 and outside[0]["frame"] is None  # this test's own line is not the project's
+    backward = [r for r in rows if r["op"] == "aten::mul" and r["node"] == "MulBackward0"]
+    assert backward and sum(r["calls"] for r in backward) == 2 and all(r["frame"] is None for r in backward)
+    assert all(r["ms"] > 0 for r in rows) and rows == sorted(rows, key=lambda r: -r["ms"])
+
+
+def test_project_frame_is_the_innermost_frame_in_the_project_packages():
+    stack = ["torch/nn/functional.py(10): linear", "ttt/models/mlp.py(20): forward", "ttt/train.py(5): main"]
+    assert project_frame(stack) == "ttt/models/mlp.py(20): forward"
+    assert project_frame([f"{PROJECT_ROOT}/flashbob/api.py(3): f"]) == "flashbob/api.py(3): f"
+    assert project_frame(stack[:1]) is None and project_frame(None) is None
