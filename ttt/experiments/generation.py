@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import statistics
 import subprocess
 import sys
@@ -46,6 +45,7 @@ from recipes import load_builder, load_config
 from ttt.layers import TTTTransformer
 from ttt.layers.generation import decode_step, prefill
 
+from .json_lines import emit
 from .meta_step_probe import is_out_of_memory
 
 MODES = {"ttt": [], "swa": ["ttt.enabled=false"], "full": ["ttt.enabled=false", "{model}.window=null"]}
@@ -309,15 +309,6 @@ def main(argv: list[str] | None = None) -> int:
             for row in mark_best(rows) if row["best"]]  # fmt: skip
     emit({**context, "summary": goals(rows), "best": best}, args.out)
     return 0
-
-
-def emit(line: dict, out: str | None) -> None:
-    """Print line as JSON and append it to the file out (when given), both flushed at once."""
-    text = json.dumps(line)
-    print(text, flush=True)
-    if out:
-        with open(out, "a") as file:
-            file.write(text + "\n")
 
 
 if __name__ == "__main__":

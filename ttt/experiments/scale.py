@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import sys
 from collections.abc import Iterator
 
@@ -40,6 +39,7 @@ from ttt.meta.sharding import SecondOrderFSDPStrategy
 from ttt.models import TransformerConfig
 from ttt.tracking import OuterStepTimer
 
+from .json_lines import emit
 from .meta_step_probe import is_out_of_memory
 from .step_profile import StepProfiler
 
@@ -201,12 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or args.steps < 1:
         parser.error(f"--modes must be of {list(MODES)} (got {unknown}), --steps >= 1 (got {args.steps})")
     for mode in modes:
-        row = {"mode": mode, **measure(args.overrides + MODES[mode], args.steps, args.profile, args.sources)}
-        line = json.dumps(row)
-        print(line, flush=True)
-        if args.out:
-            with open(args.out, "a") as file:
-                file.write(line + "\n")
+        row = measure(args.overrides + MODES[mode], args.steps, args.profile, args.sources)
+        emit({"mode": mode, **row}, args.out)
         release()
     return 0
 
