@@ -148,18 +148,19 @@ def bob_cols(start, q, k, v, dout, u_q, u_k, u_v, lse, delta, row_c, row_e, grad
 
 
 def bob_rows(start, q, k, v, out, dout, dq, u_q, u_k, u_v, lse, delta, grad_q, grad_dout, row_c, row_e, *,
-             svec: int, heads_q: int, group: int, common: dict):
+             svec: int, heads_q: int, group: int, common: dict, allocate):
     """Launch the rows pass: writes grad_q, grad_dout (B, Hq, N, D, contiguous) and the float32 row
     vectors row_c, row_e (B, Hq, N; rows `svec` apart) from q, out, dout, dq, u_q (B, Hq, N, D), k,
     v, u_k, u_v (B, Hkv, M, D; absent cotangents: stand-ins with their flag off in `common`), lse and
-    delta, in the launches `ROWS_LAUNCHES` gives. start and common: as `bob_cols` takes them."""
+    delta, in the launches `ROWS_LAUNCHES` gives. start and common: as `bob_cols` takes them;
+    allocate(shape, dtype, device): the launcher's allocator, for the float32 buffer between launches."""
     batch, _, n, d = q.shape
     main, *late = ROWS_LAUNCHES[d]
     args = {name: value for name, value in common.items() if name != "PRECISION"}
     masks = {name: args[name] for name in ("OFFSET", "WINDOW", "qk_scale_log2", "scale", "KeyRange", "CAUSAL",
                                            "HAS_WINDOW", "HAS_RANGE", "HEAD_DIM")}
     m = k.shape[2]
-    partial = torch.empty(grad_q.shape, dtype=torch.float32, device=grad_q.device) if late else grad_q
+    partial = allocate(grad_q.shape, torch.float32, grad_q.device) if late else grad_q
     queries = [_descriptor(t, main["BLOCK_M"]) for t in (q, dout, u_q)]
     keys = [_descriptor(t, main["BLOCK_N"]) for t in (k, v, u_k, u_v)]
     grid = (-(-n // (main["BLOCK_M"] * main["CONSUMERS"])), batch * heads_q)

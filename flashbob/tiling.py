@@ -96,6 +96,11 @@ def device_limits(device: torch.device) -> DeviceLimits:
     return limits
 
 
+def adjusted() -> bool:
+    """Whether `override` or `impose_limits` is in effect (launch plans are off while either is)."""
+    return bool(_overrides or _imposed)
+
+
 @contextlib.contextmanager
 def impose_limits(limits: DeviceLimits):
     """Within the block, choose and check launch settings as if the device had `limits` (shared

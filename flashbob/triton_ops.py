@@ -3,6 +3,9 @@
 Each stage (forward, first backward, backward-over-backward, forward with tangent) is one function
 taking and returning plain tensors; `flashbob.autograd` chains them. Inputs need unit stride in the
 head dimension (other strides are passed through, so transposed (B, N, H, D) views need no copy).
+Each stage's launches are recorded on its first call with a given input layout and replayed on later
+ones (`flashbob.launch_plans`): a stage first normalizes its inputs and allocates its outputs, and
+every buffer it allocates after that is scratch.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import functools
 import torch
 import triton
 
-from . import hopper, tiling
+from . import hopper, launch_plans, tiling
 from ._backward import attention_backward_dkdv_kernel, attention_backward_dq_kernel, row_dot_kernel
 from ._bob import attention_bob_cols_kernel, attention_bob_rows_kernel
 from ._forward import attention_forward_kernel
@@ -43,8 +46,11 @@ def compiling_only():
 
 
 def _start(kernel, grid):
-    """kernel[grid], the launch; under `compiling_only` its compile."""
-    return functools.partial(kernel.warmup, grid=grid) if _COMPILING_ONLY.get() else kernel[grid]
+    """kernel[grid], the launch (recorded while a launch plan records); under `compiling_only` its
+    compile."""
+    if _COMPILING_ONLY.get():
+        return functools.partial(kernel.warmup, grid=grid)
+    return launch_plans.start(kernel, grid)
 
 
 def _launch(kernel: str, q: torch.Tensor, run, **flags) -> None:
@@ -57,7 +63,20 @@ def _launch(kernel: str, q: torch.Tensor, run, **flags) -> None:
 
 def _empty(shape, dtype, device) -> torch.Tensor:
     buf = torch.empty(shape, dtype=dtype, device=device)
-    return buf.fill_(float("nan")) if POISON_OUTPUTS and not _COMPILING_ONLY.get() else buf
+    if POISON_OUTPUTS and not _COMPILING_ONLY.get():
+        buf.fill_(float("nan"))
+    return launch_plans.scratch(buf)
+
+
+def _planned(stage: str, inputs: dict, outputs: dict, options: tuple, launch_all) -> None:
+    """Replay the stage's launch plan for these inputs and options onto these outputs (tensors by
+    name; outputs are allocated from the inputs' shapes), or call launch_all() (the stage's launches
+    as written), recording it where plans apply."""
+    plan_key = None if _COMPILING_ONLY.get() else launch_plans.key(stage, inputs, options)
+    slots = {**inputs, **outputs}
+    if not launch_plans.replay(plan_key, slots):
+        with launch_plans.recording(plan_key, slots, _empty):
+            launch_all()
 
 
 def _unit_last(t: torch.Tensor) -> torch.Tensor:
@@ -78,8 +97,11 @@ def _mask_args(causal: bool, window: int | None, n: int, m: int, key_range: torc
     """The kernels' mask arguments. key_range: (B, 2) int32 [start, end) per batch row, or None (no
     ranges: HAS_RANGE is off and `stand_in`, never read, fills the pointer)."""
     return {"OFFSET": m - n, "WINDOW": window or 0, "CAUSAL": causal, "HAS_WINDOW": window is not None,
-            "KeyRange": stand_in if key_range is None else key_range.contiguous(),
-            "HAS_RANGE": key_range is not None}
+            "KeyRange": stand_in if key_range is None else key_range, "HAS_RANGE": key_range is not None}
+
+
+def _contiguous(key_range: torch.Tensor | None) -> torch.Tensor | None:
+    return None if key_range is None else key_range.contiguous()
 
 
 ROW_ALIGN = 16
@@ -94,7 +116,7 @@ def row_stride(n: int) -> int:
     hold values that add nothing: lse +inf, delta, c and e 0). Triton specializes `svec` on its
     divisibility by 16, which always holds, so the row vectors load as aligned vectors while the
     lengths themselves stay unspecialized (no compilation per length)."""
-    return triton.cdiv(n, ROW_ALIGN) * ROW_ALIGN
+    return -(-n // ROW_ALIGN) * ROW_ALIGN
 
 
 def _row_vectors(batch: int, heads: int, n: int, device) -> torch.Tensor:
@@ -137,20 +159,26 @@ def forward(q, k, v, *, causal: bool, window: int | None, scale: float, fp32_pre
     key_range: (B, 2) int32, batch row b sees keys key_range[b, 0] <= j < key_range[b, 1] (on top of
     the causal / window mask), or None (every key); the same in every launcher."""
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+    key_range = _contiguous(key_range)
     batch, heads_q, n, d = q.shape
     heads_kv, m = k.shape[1], k.shape[2]
     out = _empty(q.shape, q.dtype, q.device)
     lse = _empty((batch, heads_q, n), torch.float32, q.device)
-    precision = _precision(q.dtype, fp32_precision)
 
-    def run(cfg):
-        return _start(attention_forward_kernel, (triton.cdiv(n, cfg["BLOCK_M"]), batch * heads_q))(
-            q, k, v, out, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
-            n, m, heads_q, heads_q // heads_kv, qk_scale_log2=scale * LOG2E,
-            **_mask_args(causal, window, n, m, key_range, q), HEAD_DIM=d, PRECISION=precision, **cfg,
-        )
+    def launch_all():
+        precision = _precision(q.dtype, fp32_precision)
 
-    _launch("forward", q, run, PRECISION=precision)
+        def run(cfg):
+            return _start(attention_forward_kernel, (triton.cdiv(n, cfg["BLOCK_M"]), batch * heads_q))(
+                q, k, v, out, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
+                n, m, heads_q, heads_q // heads_kv, qk_scale_log2=scale * LOG2E,
+                **_mask_args(causal, window, n, m, key_range, q), HEAD_DIM=d, PRECISION=precision, **cfg,
+            )
+
+        _launch("forward", q, run, PRECISION=precision)
+
+    _planned("forward", dict(q=q, k=k, v=v, key_range=key_range), dict(out=out, lse=lse),
+             (causal, window, scale, fp32_precision), launch_all)
     return out, lse
 
 
@@ -159,35 +187,41 @@ def backward(q, k, v, out, lse, dout, *, causal: bool, window: int | None, scale
     """First backward. Returns (dq, dk, dv) shaped like (q, k, v)."""
     q, k, v, out, dout = (_unit_last(t) for t in (q, k, v, out, dout))
     lse = _aligned_lse(lse)
+    key_range = _contiguous(key_range)
     batch, heads_q, n, d = q.shape
     heads_kv, m = k.shape[1], k.shape[2]
     group = heads_q // heads_kv
-    delta = row_dot(dout, out)
     dq = _empty(q.shape, q.dtype, q.device)
     dk = _empty(k.shape, k.dtype, k.device)
     dv = _empty(k.shape, k.dtype, k.device)
-    precision = _precision(q.dtype, fp32_precision)
-    common = dict(
-        qk_scale_log2=scale * LOG2E, scale=scale, **_mask_args(causal, window, n, m, key_range, q),
-        HEAD_DIM=d, PRECISION=precision,
-    )
 
-    def run_kv(cfg):
-        return _start(attention_backward_dkdv_kernel, (triton.cdiv(m, cfg["BLOCK_N"]), batch * heads_kv))(
-            q, k, v, dout, lse, delta, dk, dv,
-            *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dk), row_stride(n),
-            n, m, heads_q, heads_kv, group, **common, **cfg,
+    def launch_all():
+        delta = row_dot(dout, out)
+        precision = _precision(q.dtype, fp32_precision)
+        common = dict(
+            qk_scale_log2=scale * LOG2E, scale=scale, **_mask_args(causal, window, n, m, key_range, q),
+            HEAD_DIM=d, PRECISION=precision,
         )
 
-    def run_q(cfg):
-        return _start(attention_backward_dq_kernel, (triton.cdiv(n, cfg["BLOCK_M"]), batch * heads_q))(
-            q, k, v, dout, lse, delta, dq,
-            *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dq), row_stride(n),
-            n, m, heads_q, group, **common, **cfg,
-        )
+        def run_kv(cfg):
+            return _start(attention_backward_dkdv_kernel, (triton.cdiv(m, cfg["BLOCK_N"]), batch * heads_kv))(
+                q, k, v, dout, lse, delta, dk, dv,
+                *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dk), row_stride(n),
+                n, m, heads_q, heads_kv, group, **common, **cfg,
+            )
 
-    _launch("backward_kv", q, run_kv, PRECISION=precision)
-    _launch("backward_q", q, run_q, PRECISION=precision)
+        def run_q(cfg):
+            return _start(attention_backward_dq_kernel, (triton.cdiv(n, cfg["BLOCK_M"]), batch * heads_q))(
+                q, k, v, dout, lse, delta, dq,
+                *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dq), row_stride(n),
+                n, m, heads_q, group, **common, **cfg,
+            )
+
+        _launch("backward_kv", q, run_kv, PRECISION=precision)
+        _launch("backward_q", q, run_q, PRECISION=precision)
+
+    _planned("backward", dict(q=q, k=k, v=v, out=out, lse=lse, dout=dout, key_range=key_range),
+             dict(dq=dq, dk=dk, dv=dv), (causal, window, scale, fp32_precision), launch_all)
     return dq, dk, dv
 
 
@@ -197,12 +231,28 @@ def bob(q, k, v, out, lse, dout, dq, u_q, u_k, u_v, *, causal: bool, window: int
     Returns (grad_q, grad_k, grad_v, grad_dout) shaped like (q, k, v, dout)."""
     q, k, v, out, dout, dq = (_unit_last(t) for t in (q, k, v, out, dout, dq))
     u_q, u_k, u_v = (None if t is None else _unit_last(t.to(q.dtype)) for t in (u_q, u_k, u_v))
+    if u_q is None and u_k is None and u_v is None:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(dout)
     lse = _aligned_lse(lse)
+    key_range = _contiguous(key_range)
+    grad_q = _empty(q.shape, q.dtype, q.device)
+    grad_dout = _empty(q.shape, q.dtype, q.device)
+    grad_k = _empty(k.shape, k.dtype, k.device)
+    grad_v = _empty(k.shape, k.dtype, k.device)
+    inputs = dict(q=q, k=k, v=v, out=out, lse=lse, dout=dout, dq=dq, u_q=u_q, u_k=u_k, u_v=u_v,
+                  key_range=key_range)
+    outputs = dict(grad_q=grad_q, grad_k=grad_k, grad_v=grad_v, grad_dout=grad_dout)
+    _planned("bob", inputs, outputs, (causal, window, scale, fp32_precision), lambda: _bob_launches(
+        **inputs, **outputs, causal=causal, window=window, scale=scale, fp32_precision=fp32_precision))
+    return grad_q, grad_k, grad_v, grad_dout
+
+
+def _bob_launches(q, k, v, out, lse, dout, dq, u_q, u_k, u_v, key_range, grad_q, grad_k, grad_v, grad_dout, *,
+                  causal, window, scale, fp32_precision):
+    """The BoB's launches as written (`bob` takes its arguments to the layouts they need)."""
     batch, heads_q, n, d = q.shape
     heads_kv, m = k.shape[1], k.shape[2]
     group = heads_q // heads_kv
-    if u_q is None and u_k is None and u_v is None:
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(dout)
     flags = dict(HAS_UQ=u_q is not None, HAS_UK=u_k is not None, HAS_UV=u_v is not None,
                  HAS_G=u_q is not None or u_k is not None)
     # Absent cotangents are never read (their flag is off): any tensor stands in for the pointer.
@@ -212,15 +262,12 @@ def bob(q, k, v, out, lse, dout, dq, u_q, u_k, u_v, *, causal: bool, window: int
     delta = row_dot(dout, out)
     row_c = _row_vectors(batch, heads_q, n, q.device)
     row_e = _row_vectors(batch, heads_q, n, q.device)
-    grad_q = _empty(q.shape, q.dtype, q.device)
-    grad_dout = _empty(q.shape, q.dtype, q.device)
-    grad_k = _empty(k.shape, k.dtype, k.device)
-    grad_v = _empty(k.shape, k.dtype, k.device)
     precision = _precision(q.dtype, fp32_precision)
     common = dict(
         qk_scale_log2=scale * LOG2E, scale=scale, **_mask_args(causal, window, n, m, key_range, q), **flags,
         HEAD_DIM=d, PRECISION=precision,
     )
+
     def run_rows(cfg):
         cfg = dict(cfg)
         split = cfg.pop("SPLIT")
@@ -247,7 +294,8 @@ def bob(q, k, v, out, lse, dout, dq, u_q, u_k, u_v, *, causal: bool, window: int
 
     if hopper.applies("rows", q, k, v, dout, u_q_, u_k_, u_v_, causal=causal):
         hopper.bob_rows(_start, q, k, v, out, dout, dq, u_q_, u_k_, u_v_, lse, delta, grad_q, grad_dout,
-                        row_c, row_e, svec=row_stride(n), heads_q=heads_q, group=group, common=common)
+                        row_c, row_e, svec=row_stride(n), heads_q=heads_q, group=group, common=common,
+                        allocate=_empty)
     else:
         _launch("bob_rows", q, run_rows, PRECISION=precision, **flags)
     if hopper.applies("cols", q, k, v, dout, u_q_, u_k_, u_v_, lse, delta, row_c, row_e, causal=causal):
@@ -255,7 +303,6 @@ def bob(q, k, v, out, lse, dout, dq, u_q, u_k, u_v, *, causal: bool, window: int
                         group=group, common=common)
     else:
         _launch("bob_cols", q, run_cols, PRECISION=precision, **flags)
-    return grad_q, grad_k, grad_v, grad_dout
 
 
 def jvp(q, k, v, t_q, t_k, t_v, *, causal: bool, window: int | None, scale: float,
@@ -265,26 +312,32 @@ def jvp(q, k, v, t_q, t_k, t_v, *, causal: bool, window: int | None, scale: floa
     directional derivative of out along (t_q, t_k, t_v). fp32_precision: as in `forward`."""
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     t_q, t_k, t_v = (None if t is None else _unit_last(t.to(q.dtype)) for t in (t_q, t_k, t_v))
+    key_range = _contiguous(key_range)
     batch, heads_q, n, d = q.shape
     heads_kv, m = k.shape[1], k.shape[2]
     out = _empty(q.shape, q.dtype, q.device)
     t_out = _empty(q.shape, q.dtype, q.device)
     lse = _empty((batch, heads_q, n), torch.float32, q.device)
-    flags = dict(HAS_TQ=t_q is not None, HAS_TK=t_k is not None, HAS_TV=t_v is not None)
-    # Absent tangents are never read (their flag is off): any tensor stands in for the pointer.
-    t_q_ = q if t_q is None else t_q
-    t_k_ = k if t_k is None else t_k
-    t_v_ = v if t_v is None else t_v
-    precision = _precision(q.dtype, fp32_precision)
 
-    def run(cfg):
-        return _start(attention_jvp_kernel, (triton.cdiv(n, cfg["BLOCK_M"]), batch * heads_q))(
-            q, k, v, t_q_, t_k_, t_v_, out, t_out, lse,
-            *_strides(q), *_strides(k), *_strides(v), *_strides(t_q_), *_strides(t_k_), *_strides(t_v_),
-            *_strides(out), n, m, heads_q, heads_q // heads_kv, qk_scale_log2=scale * LOG2E, scale=scale,
-            **_mask_args(causal, window, n, m, key_range, q), **flags, HEAD_DIM=d, PRECISION=precision,
-            **cfg,
-        )
+    def launch_all():
+        flags = dict(HAS_TQ=t_q is not None, HAS_TK=t_k is not None, HAS_TV=t_v is not None)
+        # Absent tangents are never read (their flag is off): any tensor stands in for the pointer.
+        t_q_ = q if t_q is None else t_q
+        t_k_ = k if t_k is None else t_k
+        t_v_ = v if t_v is None else t_v
+        precision = _precision(q.dtype, fp32_precision)
 
-    _launch("jvp", q, run, PRECISION=precision, **flags)
+        def run(cfg):
+            return _start(attention_jvp_kernel, (triton.cdiv(n, cfg["BLOCK_M"]), batch * heads_q))(
+                q, k, v, t_q_, t_k_, t_v_, out, t_out, lse,
+                *_strides(q), *_strides(k), *_strides(v), *_strides(t_q_), *_strides(t_k_), *_strides(t_v_),
+                *_strides(out), n, m, heads_q, heads_q // heads_kv, qk_scale_log2=scale * LOG2E, scale=scale,
+                **_mask_args(causal, window, n, m, key_range, q), **flags, HEAD_DIM=d, PRECISION=precision,
+                **cfg,
+            )
+
+        _launch("jvp", q, run, PRECISION=precision, **flags)
+
+    _planned("jvp", dict(q=q, k=k, v=v, t_q=t_q, t_k=t_k, t_v=t_v, key_range=key_range),
+             dict(out=out, t_out=t_out, lse=lse), (causal, window, scale, fp32_precision), launch_all)
     return out, lse, t_out

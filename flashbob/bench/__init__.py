@@ -13,6 +13,8 @@
     tiles      a kernel's time under other tile settings (`tiles.py`)
     sm90       what Triton compiles for a GPU, on a machine without one: registers, spills, shared
                memory against `tiling.shared_mem_estimate`, wgmma instructions (`sm90.py`)
+    host       the host's time per launcher call on a machine without a GPU (a stand-in driver
+               that launches nothing), with launch plans on and off, against another version (`host.py`)
     compile    seconds to compile a family's kernels for a GPU without one, one after another or
                side by side as `flashbob.precompile` does (`compile.py`)
 

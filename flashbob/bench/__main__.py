@@ -6,7 +6,8 @@ import importlib
 import sys
 
 SUBCOMMANDS = {"speed": "speed", "ab": "ab", "jvp": "jvp", "ranges": "ranges", "precision": "precision",
-               "first-call": "first_call", "tiles": "tiles", "sm90": "sm90", "compile": "compile_family"}
+               "first-call": "first_call", "tiles": "tiles", "sm90": "sm90", "host": "host",
+               "compile": "compile_family"}
 """Subcommand -> module of flashbob.bench; each module has main(argv)."""
 
 

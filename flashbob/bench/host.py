@@ -1,0 +1,209 @@
+"""The host's time per launcher call, on a machine without a GPU: Triton's launch path runs for real
+down to the driver, which is replaced by one that compiles for sm_90 and launches nothing.
+
+    python -m flashbob.bench host                               # this tree, plans on and off
+    python -m flashbob.bench host --base HEAD~1 --d 64,128 --n 2048 --stages bob
+
+Per (stage, head dim, mask, side, launch plans on / off), rounds of --iters calls on CPU tensors of
+shape (1, --heads, --n, d) in bf16, in an order that rotates from round to round; the table gives the
+median microseconds per call over the rounds and [min, max]. The stand-in driver (`stand_in_gpu`)
+keeps everything Python does per launch: the launchers' own work, Triton's binding and cache
+lookup, the launcher object's argument handling (TMA descriptors expanded into their fields);
+what it leaves out is the driver's C side (cuLaunchKernelEx, cuTensorMapEncodeTiled for each TMA
+descriptor) and CUDA's allocator (CPU tensors are allocated instead). So these figures are a
+model: lower than a GPU machine's `host_ms` (`python -m flashbob.bench ab`), which is the figure of
+record, but they move with the Python work that a change removes. --base adds another version's
+launchers (a directory or commit, as `ab` takes them). Tiles are the interpreter's (CPU tensors),
+which changes no launch's argument count. Must run without TRITON_INTERPRET.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+import time
+
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia import driver as nvidia_driver
+from triton.runtime import driver
+
+from flashbob import triton_ops
+from flashbob.bench import int_list, parse_mask, str_list
+
+STAGES = ("forward", "backward", "bob")
+
+
+class _Utils:
+    """The driver's utilities: a kernel "loads" as nothing; a TMA descriptor is its fields."""
+
+    def load_binary(self, name, kernel, shared, device):
+        return None, None, 0, 0, 1024
+
+    def get_device_properties(self, device):
+        return {"max_shared_mem": 232448, "multiprocessor_count": 132, "max_num_regs": 65536, "warpSize": 32}
+
+    def fill_tma_descriptor(self, *fields):
+        return ("tma", *fields)
+
+
+class _Launcher(nvidia_driver.CudaLauncher):
+    """Triton's CUDA launcher with its compiled C launch replaced by `launch` (nothing, or a recorder)."""
+
+    launch_to = None
+
+    def __init__(self, src, metadata):
+        signature = dict(src.signature.items())
+        self.launch = nvidia_driver.wrap_handle_tensordesc(
+            lambda *args: _Launcher.launch_to and _Launcher.launch_to(args), signature,
+            getattr(metadata, "tensordesc_meta", None))
+        self.num_ctas = getattr(metadata, "num_ctas", 1)
+        for name in ("global_scratch_size", "global_scratch_align", "profile_scratch_size",
+                     "profile_scratch_align", "launch_cooperative_grid", "launch_pdl"):
+            setattr(self, name, getattr(metadata, name))
+
+
+class _StandInDriver:
+    def __init__(self, arch: int):
+        self.utils, self.launcher_cls, self.arch = _Utils(), _Launcher, arch
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return GPUTarget("cuda", self.arch, 32)
+
+    def get_device_capability(self, device=0):
+        return divmod(self.arch, 10)
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+    def is_active(self):
+        return True
+
+
+@contextlib.contextmanager
+def stand_in_gpu(ops=triton_ops, arch: int = 90, launch_to=None):
+    """Within the block Triton compiles for compute capability `arch` and launches nothing; the
+    launchers of `ops` (flashbob.triton_ops, or another tree's copy) take CPU tensors for that GPU's.
+    launch_to(args): called with each launch's final arguments (after the grid, stream, function and
+    scratch), as the driver's C launch would get them, or None."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise RuntimeError("the stand-in GPU compiles kernels: unset TRITON_INTERPRET")
+    hopper = sys.modules.get(ops.__name__.rpartition(".")[0] + ".hopper")
+    real_on_hopper = getattr(hopper, "on_hopper", None)
+    previous = driver._active   # None until a driver is first asked for (none exists without a GPU)
+    driver.set_active(_StandInDriver(arch))
+    _Launcher.launch_to = launch_to
+    if hopper is not None:
+        hopper.on_hopper = lambda q: arch == 90
+    try:
+        yield
+    finally:
+        driver.set_active(previous)
+        _Launcher.launch_to = None
+        if hopper is not None:
+            hopper.on_hopper = real_on_hopper
+
+
+def stage_call(ops, stage: str, d: int, n: int, heads: int, causal: bool, window: int | None):
+    """A no-argument call of `ops`' launcher of `stage` on fixed random bf16 CPU inputs (1, heads, n, d)."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, out, dout, dq, u_q, u_k, u_v = (torch.randn(1, heads, n, d, generator=gen).bfloat16()
+                                             for _ in range(9))
+    lse = torch.zeros(1, heads, n)
+    opts = dict(causal=causal, window=window, scale=d**-0.5)
+    if stage == "forward":
+        return lambda: ops.forward(q, k, v, **opts)
+    if stage == "backward":
+        return lambda: ops.backward(q, k, v, out, lse, dout, **opts)
+    if stage == "bob":
+        return lambda: ops.bob(q, k, v, out, lse, dout, dq, u_q, u_k, u_v, **opts)
+    raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+
+
+def _has_plans(ops) -> bool:
+    return ops.__name__.rpartition(".")[0] + ".launch_plans" in sys.modules
+
+
+@contextlib.contextmanager
+def plans(on: bool | None):
+    """Launch plans on or off (FLASHBOB_LAUNCH_PLANS) within the block; None: as they are (a version
+    without them)."""
+    previous = os.environ.get("FLASHBOB_LAUNCH_PLANS")
+    if on is not None:
+        os.environ["FLASHBOB_LAUNCH_PLANS"] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("FLASHBOB_LAUNCH_PLANS", None)
+        else:
+            os.environ["FLASHBOB_LAUNCH_PLANS"] = previous
+
+
+def time_us(call, iters: int) -> float:
+    """Mean microseconds per call of `iters` calls back to back."""
+    start = time.perf_counter()
+    for _ in range(iters):
+        call()
+    return 1e6 * (time.perf_counter() - start) / iters
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(prog="python -m flashbob.bench host", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--stages", type=str_list, default=list(STAGES))
+    p.add_argument("--d", type=int_list, default=[64, 128], help="head dims")
+    p.add_argument("--mask", type=str_list, default=["causal", "full"])
+    p.add_argument("--n", type=int, default=2048)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--base", default=None, help="another version's launchers (a directory or commit)")
+    args = p.parse_args(argv)
+    sides = [("this", triton_ops)]
+    if args.base:
+        from flashbob.bench import ab
+
+        sides.insert(0, ("base", ab.import_side(ab.resolve(args.base), "flashbob_host_base")))
+    rows = []
+    print("| stage | head dim, mask | side | plans | us / call [min, max] |")
+    print("|---|---|---|---|---|")
+    for stage in args.stages:
+        for d in args.d:
+            for mask in args.mask:
+                causal, window = parse_mask(mask)
+                variants = [(name, ops, on) for name, ops in sides
+                            for on in ((True, False) if _has_plans(ops) else (None,))]
+                calls = {}
+                for name, ops, on in variants:
+                    with stand_in_gpu(ops), plans(on):
+                        calls[name, on] = stage_call(ops, stage, d, args.n, args.heads, causal, window)
+                        for _ in range(3):
+                            calls[name, on]()
+                times = {key: [] for key in calls}
+                for r in range(args.rounds):
+                    order = variants[r % len(variants):] + variants[:r % len(variants)]
+                    for name, ops, on in order:
+                        with stand_in_gpu(ops), plans(on):
+                            times[name, on].append(time_us(calls[name, on], args.iters))
+                for (name, on), values in times.items():
+                    row = dict(stage=stage, d=d, mask=mask, side=name, plans=on,
+                               us=statistics.median(values), us_min=min(values), us_max=max(values))
+                    rows.append(row)
+                    plans_text = "-" if on is None else "on" if on else "off"
+                    print(f"| {stage} | {d}, {mask} | {name} | {plans_text} | "
+                          f"{row['us']:.1f} [{row['us_min']:.1f}, {row['us_max']:.1f}] |", flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,215 @@
+"""Launch plans: a launcher's kernel launches, recorded once per input layout and replayed after.
+
+A launcher call (forward, backward, BoB, forward with tangent) spends most of its host time on work
+its inputs' layouts already decide: choosing tiles, the mask arguments, TMA descriptors and their
+checks, and Triton's own per-launch binding (specializing some 60 arguments into a cache key). The
+first call with a given layout runs the launcher as written while `recording`: each launch goes
+through Triton as usual and returns its compiled kernel, whose arguments are then sorted into
+constants, the call's tensors (`slots`: inputs and outputs, by name) and the scratch buffers the
+launcher allocated (`scratch`). A later call with the same `key` only allocates its outputs and
+`replay`s: it allocates the scratch, rebuilds the descriptors from their recorded form around the
+new tensors and hands each compiled kernel its arguments, as Triton's `JITFunction.run` would.
+
+The key holds everything a launch depends on besides the slots' contents: each input's shape,
+strides, dtype and 16-byte alignment (Triton's pointer specialization), the options, the current
+device and the environment variables the launchers read. Plans are off (every call runs as written)
+under Triton's interpreter, with launch hooks set (profilers such as proton read each launch's
+metadata), while `flashbob.tiling.override` or `impose_limits` is in effect, when two inputs are one
+tensor object, and with FLASHBOB_LAUNCH_PLANS=0. A call whose launches take a tensor that is neither
+a slot nor registered scratch (nor a view of one) makes no plan, and its key then always runs as
+written, without recording again.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import contextvars
+import os
+
+import torch
+from triton import knobs
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.runtime import driver
+
+from . import hopper, tiling
+from .validation import triton_interpreter_enabled
+
+ENV = "FLASHBOB_LAUNCH_PLANS"
+CAPACITY = 512
+"""Plans kept (least recently used dropped first): one per (launcher, input layout, options)."""
+
+_plans: collections.OrderedDict[tuple, Plan | None] = collections.OrderedDict()
+"""Key -> its plan, or None for a key whose call made none."""
+_recorder: contextvars.ContextVar[_Recorder | None] = contextvars.ContextVar("flashbob_launch_recorder",
+                                                                             default=None)
+
+
+def clear() -> None:
+    """Forget every plan (the next call of each layout records again)."""
+    _plans.clear()
+
+
+def count() -> int:
+    """How many plans are kept."""
+    return sum(plan is not None for plan in _plans.values())
+
+
+def _hooked(hook) -> bool:
+    """Whether a Triton launch hook is set: a function, or a chain of hooks (Triton 3.6) holding one."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def _layout(t: torch.Tensor | None):
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0)
+
+
+def key(launcher: str, inputs: dict[str, torch.Tensor | None], options: tuple) -> tuple | None:
+    """The plan key of a launcher call: `launcher`'s name, each input's layout (None: absent) and
+    `options` (the launcher's non-tensor arguments), or None where plans are off for this call
+    (module doc). The launcher's outputs, allocated from the inputs' shapes, need no key of their own."""
+    if (os.environ.get(ENV) == "0" or triton_interpreter_enabled() or tiling.adjusted()
+            or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook)):
+        return None
+    tensors = [t for t in inputs.values() if t is not None]
+    if len({id(t) for t in tensors}) != len(tensors):
+        return None
+    env = (os.environ.get(hopper.ENV), os.environ.get(tiling.SHARED_MEM_ENV))
+    return (launcher, driver.active.get_current_device(), *map(_layout, inputs.values()), options, env)
+
+
+def replay(plan_key: tuple | None, slots: dict[str, torch.Tensor | None]) -> bool:
+    """Issue the launches recorded under `plan_key` on these slots; False (nothing issued) where
+    there is no such plan."""
+    plan = None if plan_key is None else _plans.get(plan_key)
+    if plan is None:   # no plan, or a key that makes none
+        return False
+    _plans.move_to_end(plan_key)
+    plan.replay(slots)
+    return True
+
+
+@contextlib.contextmanager
+def recording(plan_key: tuple | None, slots: dict[str, torch.Tensor | None], allocate):
+    """Within the block the launcher runs as written, its launches going through `start` and its
+    scratch buffers through `scratch`; at its end the plan, where one can be made, is kept under
+    `plan_key` (None, or a key that made no plan before: nothing is recorded). allocate(shape,
+    dtype, device): how a replay allocates the scratch (the launcher's own allocator)."""
+    if plan_key is None or plan_key in _plans:
+        yield
+        return
+    recorder = _Recorder()
+    token = _recorder.set(recorder)
+    try:
+        yield
+    finally:
+        _recorder.reset(token)
+    _plans[plan_key] = recorder.plan(slots, allocate)
+    while len(_plans) > CAPACITY:
+        _plans.popitem(last=False)
+
+
+def start(kernel, grid):
+    """kernel[grid], recorded where a recording is active."""
+    recorder = _recorder.get()
+    return kernel[grid] if recorder is None else recorder.launcher(kernel, grid)
+
+
+def scratch(buffer: torch.Tensor) -> torch.Tensor:
+    """Register `buffer` (just allocated, contents undefined until a kernel writes it) as scratch of
+    the call being recorded: a replay allocates one like it. Returns buffer."""
+    recorder = _recorder.get()
+    if recorder is not None:
+        recorder.scratch[id(buffer)] = (len(recorder.scratch), buffer)
+    return buffer
+
+
+class _Recorder:
+    def __init__(self):
+        self.launches: list[tuple] = []
+        self.scratch: dict[int, tuple[int, torch.Tensor]] = {}
+
+    def launcher(self, kernel, grid):
+        def launch(*args, **kwargs):
+            compiled = kernel[grid](*args, **kwargs)
+            if hasattr(compiled, "result"):
+                compiled = compiled.result()
+            bound = kernel.signature.bind(*args, **{k: v for k, v in kwargs.items() if k in kernel.arg_names})
+            bound.apply_defaults()
+            grid3 = tuple(grid) + (1,) * (3 - len(grid))
+            self.launches.append((compiled, grid3, list(bound.arguments.values())))
+            return compiled
+
+        return launch
+
+    def plan(self, slots: dict[str, torch.Tensor | None], allocate) -> Plan | None:
+        if not self.launches or not all(hasattr(c, "packed_metadata") for c, _, _ in self.launches):
+            return None
+        names = [name for name, t in slots.items() if t is not None]
+        refs = {id(slots[name]): i for i, name in enumerate(names)}
+        buffers = sorted(self.scratch.values(), key=lambda item: item[0])
+        scratch = [(tuple(b.shape), b.dtype) for _, b in buffers]
+        for index, buffer in buffers:
+            refs[id(buffer)] = len(names) + index
+        views: list[tuple] = []
+
+        def ref(t: torch.Tensor) -> int | None:
+            if id(t) in refs:
+                return refs[id(t)]
+            base = t._base
+            if base is None or id(base) not in refs:
+                return None
+            views.append((refs[id(base)], tuple(t.shape), t.stride(), t.storage_offset()))
+            refs[id(t)] = len(names) + len(scratch) + len(views) - 1
+            return refs[id(t)]
+
+        launches = []
+        for compiled, grid, args in self.launches:
+            fills = []
+            for position, value in enumerate(args):
+                if isinstance(value, torch.Tensor):
+                    index = ref(value)
+                    if index is None:
+                        return None
+                    fills.append((position, index, None))
+                    args[position] = None
+                elif isinstance(value, TensorDescriptor):
+                    index = ref(value.base)
+                    if index is None:
+                        return None
+                    fields = {name: field for name, field in vars(value).items() if name != "base"}
+                    fills.append((position, index, fields))
+                    args[position] = None
+            launches.append((compiled, grid, tuple(args), tuple(fills)))
+        return Plan(names, scratch, views, launches, allocate)
+
+
+class Plan:
+    """One launcher call's launches for one key: the slots' names in order, the scratch buffers
+    ((shape, dtype) each), the views of either ((tensor index, shape, strides, offset) each) and
+    per launch the compiled kernel, its grid, its arguments with the tensors left out and where
+    each tensor goes ((position, tensor index, descriptor fields or None)); allocate(shape, dtype,
+    device) makes the scratch."""
+
+    def __init__(self, names, scratch, views, launches, allocate):
+        self.names, self.scratch, self.views, self.launches = names, scratch, views, launches
+        self.allocate = allocate
+
+    def replay(self, slots: dict[str, torch.Tensor | None]) -> None:
+        tensors = [slots[name] for name in self.names]
+        device = tensors[0].device
+        tensors += [self.allocate(shape, dtype, device) for shape, dtype in self.scratch]
+        tensors += [tensors[i].as_strided(shape, stride, offset) for i, shape, stride, offset in self.views]
+        stream = driver.active.get_current_stream(driver.active.get_current_device())
+        for compiled, (x, y, z), template, fills in self.launches:
+            args = list(template)
+            for position, index, fields in fills:
+                if fields is None:
+                    args[position] = tensors[index]
+                else:
+                    descriptor = object.__new__(TensorDescriptor)
+                    descriptor.__dict__.update(fields, base=tensors[index])
+                    args[position] = descriptor
+            # As JITFunction.run launches, with no launch metadata or hooks (plans are off while any is set).
+            compiled.run(x, y, z, stream, compiled.function, compiled.packed_metadata, None, None, None,
+                         *args)
