@@ -46,8 +46,9 @@ _recorder: contextvars.ContextVar[_Recorder | None] = contextvars.ContextVar("fl
 
 
 def clear() -> None:
-    """Forget every plan (the next call of each layout records again)."""
+    """Forget every plan (the next call of each layout records again) and every tensor map."""
     _plans.clear()
+    _tensor_maps.clear()
 
 
 def count() -> int:
@@ -180,16 +181,16 @@ class _Recorder:
                     fields = {name: field for name, field in vars(value).items() if name != "base"}
                     fills.append((position, index, fields))
                     args[position] = None
-            launches.append((compiled, grid, tuple(args), tuple(fills)))
+            direct = _direct(compiled, grid, args, fills)
+            launches.append(direct or _TritonLaunch(compiled, grid, args, fills))
         return Plan(names, scratch, views, launches, allocate)
 
 
 class Plan:
     """One launcher call's launches for one key: the slots' names in order, the scratch buffers
-    ((shape, dtype) each), the views of either ((tensor index, shape, strides, offset) each) and
-    per launch the compiled kernel, its grid, its arguments with the tensors left out and where
-    each tensor goes ((position, tensor index, descriptor fields or None)); allocate(shape, dtype,
-    device) makes the scratch."""
+    ((shape, dtype) each), the views of either ((tensor index, shape, strides, offset) each), the
+    launches (`_DirectLaunch` where Triton's launcher has the form it knows, else `_TritonLaunch`),
+    and allocate(shape, dtype, device), which makes the scratch."""
 
     def __init__(self, names, scratch, views, launches, allocate):
         self.names, self.scratch, self.views, self.launches = names, scratch, views, launches
@@ -201,15 +202,113 @@ class Plan:
         tensors += [self.allocate(shape, dtype, device) for shape, dtype in self.scratch]
         tensors += [tensors[i].as_strided(shape, stride, offset) for i, shape, stride, offset in self.views]
         stream = driver.active.get_current_stream(driver.active.get_current_device())
-        for compiled, (x, y, z), template, fills in self.launches:
-            args = list(template)
-            for position, index, fields in fills:
-                if fields is None:
-                    args[position] = tensors[index]
-                else:
-                    descriptor = object.__new__(TensorDescriptor)
-                    descriptor.__dict__.update(fields, base=tensors[index])
-                    args[position] = descriptor
-            # As JITFunction.run launches, with no launch metadata or hooks (plans are off while any is set).
-            compiled.run(x, y, z, stream, compiled.function, compiled.packed_metadata, None, None, None,
-                         *args)
+        for launch in self.launches:
+            launch.issue(tensors, stream)
+
+
+class _TritonLaunch:
+    """A launch through the compiled kernel's launcher, as JITFunction.run makes it (no launch
+    metadata or hooks: plans are off while any is set). args: the arguments in signature order, the
+    tensors left out; fills: where each goes, (position, tensor index, descriptor fields or None)."""
+
+    def __init__(self, compiled, grid, args, fills):
+        self.compiled, self.grid, self.args, self.fills = compiled, grid, tuple(args), tuple(fills)
+
+    def issue(self, tensors: list[torch.Tensor], stream) -> None:
+        args = list(self.args)
+        for position, index, fields in self.fills:
+            if fields is None:
+                args[position] = tensors[index]
+            else:
+                descriptor = object.__new__(TensorDescriptor)
+                descriptor.__dict__.update(fields, base=tensors[index])
+                args[position] = descriptor
+        x, y, z = self.grid
+        compiled = self.compiled
+        compiled.run(x, y, z, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)
+
+
+_tensor_maps: dict[tuple[int, int], object] = {}
+"""(base address, box id) -> the CUDA tensor map Triton's driver encoded for it: a tensor map holds
+the address and the box's geometry only, so one made for an address serves every tensor there."""
+TENSOR_MAPS = 4096
+_box_ids = iter(range(1 << 62))
+
+
+def _direct(compiled, grid, args, fills) -> _DirectLaunch | None:
+    """The launch as Triton 3.6's CUDA launcher finally makes it (its C launch, with each TMA
+    descriptor expanded into an encoded tensor map, its shape and strides), or None where the
+    launcher has another form (another Triton, scratch memory, descriptors without metadata)."""
+    launcher = compiled.run
+    launch = getattr(launcher, "launch", None)
+    scratch = getattr(launcher, "global_scratch_size", 1) or getattr(launcher, "profile_scratch_size", 1)
+    if launch is None or scratch:
+        return None
+    code = getattr(launch, "__code__", None)
+    cells = {} if code is None else {
+        name: cell.cell_contents for name, cell in zip(code.co_freevars, launch.__closure__ or ())}
+    descriptors = [fill for fill in fills if fill[2] is not None]
+    if cells or descriptors:
+        if not {"launcher", "tensordesc_indices", "tensordesc_meta"} <= cells.keys():
+            return None
+        metas = cells["tensordesc_meta"]
+        positions = sorted(cells["tensordesc_indices"])
+        if (not metas or any(meta is None for meta in metas)
+                or positions != sorted(fill[0] for fill in descriptors)):
+            return None
+        launch = cells["launcher"]
+        meta_at = dict(zip(positions, metas))
+    try:
+        from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
+    except ImportError:
+        return None
+    x, y, z = grid
+    # Grid, stream, function, cooperative, PDL, the two scratch buffers (none), kernel metadata, launch
+    # metadata and the two hooks (none: plans are off while a hook is set); then the kernel's arguments.
+    final = [x, y, z, None, compiled.function, launcher.launch_cooperative_grid, launcher.launch_pdl,
+             None, None, compiled.packed_metadata, None, None, None]
+    tensor_at, maps_at = [], []
+    fill_at = {fill[0]: fill for fill in fills}
+    for position, value in enumerate(args):
+        fill = fill_at.get(position)
+        if fill is None:
+            final.append(value)
+        elif fill[2] is None:
+            tensor_at.append((len(final), fill[1]))
+            final.append(None)
+        else:
+            fields, meta = fill[2], meta_at[position]
+            shape = list(fields["shape"])
+            if meta["fp4_padded"]:
+                shape[-1] *= 2
+            box = (meta["swizzle"], meta["elem_size"], TMA_DTYPE_DEVICE_TO_HOST[meta["elem_type"]],
+                   meta["block_size"], shape, list(fields["strides"]), 1 if fields["padding"] == "nan" else 0)
+            maps_at.append((len(final), fill[1], next(_box_ids), box))
+            final += [None, *shape, *fields["strides"]]
+    return _DirectLaunch(launch, final, tensor_at, maps_at)
+
+
+class _DirectLaunch:
+    """A launch handed straight to the driver's C launch: `final`, its arguments with the stream, the
+    tensors and the tensor maps left out; tensor_at, (position, tensor index) each; maps_at,
+    (position, tensor index, box id, box: the encoder's arguments after the address) each."""
+
+    def __init__(self, launch, final, tensor_at, maps_at):
+        self.launch, self.final, self.tensor_at, self.maps_at = launch, final, tensor_at, maps_at
+
+    def issue(self, tensors: list[torch.Tensor], stream) -> None:
+        final = list(self.final)
+        final[3] = stream
+        for position, index in self.tensor_at:
+            final[position] = tensors[index]
+        if self.maps_at:
+            encode = driver.active.utils.fill_tma_descriptor
+            for position, index, box_id, box in self.maps_at:
+                address = tensors[index].data_ptr()
+                tensor_map = _tensor_maps.get((address, box_id))
+                if tensor_map is None:
+                    if len(_tensor_maps) >= TENSOR_MAPS:
+                        _tensor_maps.clear()
+                    tensor_map = _tensor_maps[address, box_id] = encode(address, *box)
+                final[position] = tensor_map
+        self.launch(*final)

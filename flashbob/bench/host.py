@@ -89,28 +89,39 @@ class _StandInDriver:
         return True
 
 
+def _package_module(ops, name: str):
+    """The module `name` of the package that holds `ops` (None in a version without it)."""
+    return sys.modules.get(ops.__name__.rpartition(".")[0] + "." + name)
+
+
 @contextlib.contextmanager
-def stand_in_gpu(ops=triton_ops, arch: int = 90, launch_to=None):
+def stand_in_gpu(*sides, arch: int = 90, launch_to=None):
     """Within the block Triton compiles for compute capability `arch` and launches nothing; the
-    launchers of `ops` (flashbob.triton_ops, or another tree's copy) take CPU tensors for that GPU's.
-    launch_to(args): called with each launch's final arguments (after the grid, stream, function and
-    scratch), as the driver's C launch would get them, or None."""
+    launchers of each of `sides` (triton_ops modules: flashbob.triton_ops by default, or another
+    tree's copies) take CPU tensors for that GPU's. Launch plans made with either driver are
+    forgotten on the way in and out. launch_to(args): called with each launch's arguments as the
+    driver's C launch gets them (grid, stream, function, ..., then the kernel's), or None."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("the stand-in GPU compiles kernels: unset TRITON_INTERPRET")
-    hopper = sys.modules.get(ops.__name__.rpartition(".")[0] + ".hopper")
-    real_on_hopper = getattr(hopper, "on_hopper", None)
+    sides = sides or (triton_ops,)
+    hoppers = [(h, h.on_hopper) for h in (_package_module(ops, "hopper") for ops in sides) if h is not None]
+    plans_modules = [m for m in (_package_module(ops, "launch_plans") for ops in sides) if m is not None]
     previous = driver._active   # None until a driver is first asked for (none exists without a GPU)
     driver.set_active(_StandInDriver(arch))
     _Launcher.launch_to = launch_to
-    if hopper is not None:
+    for hopper, _ in hoppers:
         hopper.on_hopper = lambda q: arch == 90
+    for module in plans_modules:
+        module.clear()
     try:
         yield
     finally:
         driver.set_active(previous)
         _Launcher.launch_to = None
-        if hopper is not None:
-            hopper.on_hopper = real_on_hopper
+        for hopper, on_hopper in hoppers:
+            hopper.on_hopper = on_hopper
+        for module in plans_modules:
+            module.clear()
 
 
 def stage_call(ops, stage: str, d: int, n: int, heads: int, causal: bool, window: int | None):
@@ -129,8 +140,6 @@ def stage_call(ops, stage: str, d: int, n: int, heads: int, causal: bool, window
     raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
 
 
-def _has_plans(ops) -> bool:
-    return ops.__name__.rpartition(".")[0] + ".launch_plans" in sys.modules
 
 
 @contextlib.contextmanager
@@ -174,6 +183,11 @@ def main(argv=None) -> list[dict]:
         from flashbob.bench import ab
 
         sides.insert(0, ("base", ab.import_side(ab.resolve(args.base), "flashbob_host_base")))
+    with stand_in_gpu(*(ops for _, ops in sides)):
+        return _measure(args, sides)
+
+
+def _measure(args, sides) -> list[dict]:
     rows = []
     print("| stage | head dim, mask | side | plans | us / call [min, max] |")
     print("|---|---|---|---|---|")
@@ -182,18 +196,18 @@ def main(argv=None) -> list[dict]:
             for mask in args.mask:
                 causal, window = parse_mask(mask)
                 variants = [(name, ops, on) for name, ops in sides
-                            for on in ((True, False) if _has_plans(ops) else (None,))]
+                            for on in ((True, False) if _package_module(ops, "launch_plans") else (None,))]
                 calls = {}
                 for name, ops, on in variants:
-                    with stand_in_gpu(ops), plans(on):
+                    with plans(on):
                         calls[name, on] = stage_call(ops, stage, d, args.n, args.heads, causal, window)
                         for _ in range(3):
                             calls[name, on]()
                 times = {key: [] for key in calls}
                 for r in range(args.rounds):
                     order = variants[r % len(variants):] + variants[:r % len(variants)]
-                    for name, ops, on in order:
-                        with stand_in_gpu(ops), plans(on):
+                    for name, _, on in order:
+                        with plans(on):
                             times[name, on].append(time_us(calls[name, on], args.iters))
                 for (name, on), values in times.items():
                     row = dict(stage=stage, d=d, mask=mask, side=name, plans=on,

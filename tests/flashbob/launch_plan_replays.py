@@ -2,8 +2,8 @@
 for sm_90 and a stand-in driver launches nothing, `flashbob.bench.host.stand_in_gpu`). For each case
 in argv[1] (JSON), prints one JSON line: the arguments each launch handed the driver when the
 launcher replayed its plan and when the same call ran as written, each tensor named by the slot it
-is (inputs and outputs) or as the call's n-th scratch buffer; and how many launches went through
-Triton's JITFunction.run in the replayed call."""
+is (inputs and outputs) or as the call's n-th scratch buffer; how many launches went through
+Triton's JITFunction.run in the replayed call; and the kind of each launch in the plan."""
 
 import json
 import sys
@@ -84,8 +84,7 @@ def main():
     global jit_runs
     for case in json.loads(sys.argv[1]):
         seen: list = []
-        with stand_in_gpu(launch_to=seen.append):
-            launch_plans.clear()
+        with stand_in_gpu(launch_to=seen.append):   # starts with no plans
             with plans(True):
                 call(case, inputs(case, 0))          # records
                 t = inputs(case, 1)
@@ -96,8 +95,10 @@ def main():
             with plans(False):
                 seen.clear()
                 written = canonical(seen, t, call(case, t))
-        print(json.dumps(dict(case=case, replayed=replayed, written=written, plans=launch_plans.count(),
-                              replay_jit_runs=replay_jit_runs)), flush=True)
+            kinds = [type(launch).__name__ for plan in launch_plans._plans.values() for launch in plan.launches]
+            count = launch_plans.count()
+        print(json.dumps(dict(case=case, replayed=replayed, written=written, plans=count,
+                              replay_jit_runs=replay_jit_runs, launch_kinds=kinds)), flush=True)
 
 
 if __name__ == "__main__":

@@ -52,6 +52,7 @@ def test_a_replay_hands_the_driver_what_the_written_launcher_does(tmp_path):
         case = row["case"]
         assert row["plans"] == 1, case
         assert row["replay_jit_runs"] == 0, case          # no launch went through JITFunction.run
+        assert set(row["launch_kinds"]) == {"_DirectLaunch"}, case   # Triton 3.6's launcher, unwrapped
         assert row["written"] and row["replayed"] == row["written"], case
     written = {json.dumps(row["case"], sort_keys=True): row["written"] for row in rows}
     hopper_64, hopper_128 = (written[json.dumps(case, sort_keys=True)] for case in CASES[:2])
