@@ -95,7 +95,8 @@ def main():
             with plans(False):
                 seen.clear()
                 written = canonical(seen, t, call(case, t))
-            kinds = [type(launch).__name__ for plan in launch_plans._plans.values() for launch in plan.launches]
+            kinds = [type(launch).__name__ for plan in launch_plans._plans.values()
+                     for launch in plan.launches]
             count = launch_plans.count()
         print(json.dumps(dict(case=case, replayed=replayed, written=written, plans=count,
                               replay_jit_runs=replay_jit_runs, launch_kinds=kinds)), flush=True)

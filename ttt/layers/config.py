@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ttt.config.choice import Choice
+from ttt.models.attention import AttentionBackend
 
 
 class ExtraMlpInit(Choice):
@@ -62,6 +63,12 @@ class TTTConfig:
     rows, never the (sequences, chunk_len, vocab) float32 logits that autograd would keep (twice over in
     a second-order graph); same losses and exact first and second derivatives. Readings that return
     logits use the plain head."""
+    prefix_attention: AttentionBackend | None = None
+    """The attention backend of the prefix blocks; null: model.attention. They need first derivatives
+    only, also in second-order training (the inner gradients reach back to the suffix's input, never
+    through the prefix), so sdpa (torch's fused flash or cuDNN kernels) may run them while FlashBoB runs
+    the suffix. A whole-model second derivative (a Hessian-vector product through the prefix) then stops
+    with torch's error for a missing double backward."""
     checkpoint_prefix: bool = False
     """Recompute each prefix block (the blocks before the suffix) in the outer backward: only its input
     is saved, one (sequences, seq_len, d_model) tensor a block, for one more forward of the prefix."""
@@ -95,6 +102,8 @@ class TTTConfig:
             raise ValueError(f"ttt.lr_warmup_start must be in [0, 1], got {self.lr_warmup_start}")
         self.extra_mlp_init = ExtraMlpInit.parse(self.extra_mlp_init, "ttt.extra_mlp_init")
         self.loss_average = LossAverage.parse(self.loss_average, "ttt.loss_average")
+        if self.prefix_attention is not None:
+            self.prefix_attention = AttentionBackend.parse(self.prefix_attention, "ttt.prefix_attention")
 
     def lr_scale(self, outer_step: int) -> float:
         """Factor on the inner learning rates at outer step `outer_step` (0 for the first): a linear

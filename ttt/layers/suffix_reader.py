@@ -47,6 +47,9 @@ class SuffixReader(ChunkedReader):
         self.layers = nn.ModuleList(
             [*base.layers[: self.first_suffix], *map(suffix_block, base.layers[self.first_suffix :])]
         )
+        if ttt.prefix_attention is not None:
+            for block in self.layers[: self.first_suffix]:
+                block.attn.backend = ttt.prefix_attention
 
     @property
     def suffix(self) -> list[nn.Module]:

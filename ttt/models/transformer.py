@@ -178,11 +178,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    """Causal (optionally sliding-window) grouped-query self-attention with RoPE. (B, N, d) -> (B, N, d)."""
+    """Causal (optionally sliding-window) grouped-query self-attention with RoPE. (B, N, d) -> (B, N, d).
+    `backend` (model.attention unless set otherwise, as `SuffixReader` does for ttt.prefix_attention) is
+    the `attention` backend it runs."""
 
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
         self.cfg = cfg = cfg.resolved()
+        self.backend = cfg.attention
         self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
@@ -194,7 +197,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         q, k, v = self.project_qkv(x, cos, sin)
-        out = attention(q, k, v, backend=self.cfg.attention, causal=True, window=self.cfg.window)
+        out = attention(q, k, v, backend=self.backend, causal=True, window=self.cfg.window)
         return self.project_out(out)
 
     def project_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:

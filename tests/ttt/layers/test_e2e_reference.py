@@ -242,3 +242,32 @@ def test_without_ttt_the_recipe_equals_the_literal_algorithm_with_no_inner_step(
         if mine is not None:
             torch.testing.assert_close(mine, reference, rtol=1e-10, atol=1e-10, msg=name)
     assert all(g is not None for name, g in zip(names, our_grads) if "ttt_mlp" in name)
+
+
+@pytest.mark.slow
+def test_the_prefix_needs_first_derivatives_only_so_sdpa_may_run_it():
+    """ttt.prefix_attention=sdpa: the prefix blocks run torch's fused CPU kernel, whose backward has no
+    derivative of its own, and the second-order loss and gradient are those of the recipe as it is. A
+    window as long as the sequence lets SDPA take the fused kernel (no explicit mask)."""
+    whole = [*TINY, "model.window=12"]
+    q = torch.randn(1, 2, 12, 8, dtype=torch.float64, requires_grad=True)
+    out = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    (g,) = torch.autograd.grad(out.sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="not implemented"):
+        torch.autograd.grad(g.sum(), q)  # the fused kernel: no double backward
+
+    batch = sample_batch()
+    results = []
+    for options in (whole, [*whole, "ttt.prefix_attention=sdpa"]):
+        torch.manual_seed(0)
+        learner = build_module(load_config(options)).double()
+        params = [p for p in learner.parameters() if p.requires_grad]
+        loss = sum(learner.pass_loss(rows, len(batch["tokens"]))[0] for rows in learner.split_passes(batch))
+        results.append((loss, torch.autograd.grad(loss, params)))
+    (plain, plain_grads), (fused, fused_grads) = results
+    prefix = learner.model.layers[: learner.model.first_suffix]
+    assert [block.attn.backend for block in prefix] == ["sdpa"]
+    assert learner.model.suffix[0].cfg.attention == "eager"
+    torch.testing.assert_close(fused, plain, rtol=1e-10, atol=1e-10)
+    for mine, reference in zip(fused_grads, plain_grads):
+        torch.testing.assert_close(mine, reference, rtol=1e-10, atol=1e-10)
