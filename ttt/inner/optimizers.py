@@ -39,8 +39,16 @@ class InnerOptimizer(Protocol):
         """(updated params, updated state); every tensor differentiable in params, grads, state and lrs."""
 
 
+def descend(p: torch.Tensor, g: torch.Tensor, lr: float | torch.Tensor) -> torch.Tensor:
+    """p - lr * g in one kernel (lr a float or a tensor broadcastable to p); differentiable in all three."""
+    return torch.addcmul(p, g, lr, value=-1) if torch.is_tensor(lr) else torch.add(p, g, alpha=-lr)
+
+
 class InnerSGD:
     """p <- p - lr * g."""
+
+    linear_in_lr_grad = True
+    """step(p, c g, lrs) == step(p, g, c lrs): `inner_step` folds a clip factor into the lrs."""
 
     def init(self, params: Mapping[str, torch.Tensor]) -> dict:
         """No state."""
@@ -48,7 +56,7 @@ class InnerSGD:
 
     def step(self, params: Mapping, grads: Mapping, state: dict, lrs: Mapping) -> tuple[Tensors, dict]:
         """One update; every dict keyed by parameter name."""
-        return {n: p - lrs[n] * grads[n] for n, p in params.items()}, state
+        return {n: descend(p, grads[n], lrs[n]) for n, p in params.items()}, state
 
 
 class InnerMomentum:

@@ -22,21 +22,57 @@ from torch.utils.checkpoint import checkpoint
 from .optimizers import InnerOptimizer, LearningRates, Tensors
 
 
-def clip_by_global_norm(
-    grads: Mapping[str, torch.Tensor], max_norm: float, *, per_row: bool = False
-) -> Tensors:
-    """The grads unchanged where their global L2 norm n is below max_norm, else scaled by max_norm / n
-    (optax's rule, as TTT-E2E's inner step clips); differentiable (also through n), no in-place ops, the
-    norm in float32 (float64 for float64 grads). per_row: the grads are (B, ...), one problem per row (a
-    sequence's own fast weights), and each row gets its own norm and factor."""
+def clip_factor(grads: Mapping[str, torch.Tensor], max_norm: float, *, per_row: bool = False) -> torch.Tensor:
+    """The factor of optax's global-norm clip (as TTT-E2E's inner step clips): 1 where the grads' global
+    L2 norm n is below max_norm, else max_norm / n; differentiable (also through n), in float32 (float64
+    for float64 grads). Each tensor's squares are summed over its own dims (a transposed gradient is not
+    copied first); not torch.linalg.vector_norm, whose second derivative at zero is NaN. per_row: the
+    grads are (B, ...), one problem per row (a sequence's own fast weights): a factor per row (B,); else
+    one, shape ()."""
     start = 1 if per_row else 0
-    squares = sum(g.to(torch.promote_types(g.dtype, torch.float32)).square().flatten(start).sum(-1)
-                  for g in grads.values())  # fmt: skip
+
+    def squares_of(g: torch.Tensor) -> torch.Tensor:
+        g = g.to(torch.promote_types(g.dtype, torch.float32))
+        return g.square().sum(dim=tuple(range(start, g.dim()))) if g.dim() > start else g.square()
+
+    squares = sum(squares_of(g) for g in grads.values())
     # All-zero grads (a chunk whose targets are all masked) have n = 0, where sqrt's derivative is infinite:
     # take the root of 1 there (the factor multiplies zeros anyway), so that no NaN reaches the outer graph.
     total = torch.where(squares > 0, torch.sqrt(torch.where(squares > 0, squares, 1.0)), 0.0)
-    factor = max_norm / torch.clamp(total, min=max_norm)
-    return {n: g * factor.view(factor.shape + (1,) * (g.dim() - start)).to(g.dtype) for n, g in grads.items()}
+    return max_norm / torch.clamp(total, min=max_norm)
+
+
+def _per_row(factor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """factor (B,) or () viewed to broadcast against `like` (B, ...) or (...)."""
+    return factor.view(factor.shape + (1,) * (like.dim() - factor.dim()))
+
+
+def clip_by_global_norm(
+    grads: Mapping[str, torch.Tensor], max_norm: float, *, per_row: bool = False
+) -> Tensors:
+    """The grads times `clip_factor` (unchanged where their global norm is below max_norm, else scaled
+    to it); no in-place ops. per_row: grads (B, ...), each row clipped by its own norm."""
+    return _scaled(grads, clip_factor(grads, max_norm, per_row=per_row))
+
+
+def _scaled(grads: Mapping[str, torch.Tensor], factor: torch.Tensor) -> Tensors:
+    return {n: g * _per_row(factor, g).to(g.dtype) for n, g in grads.items()}
+
+
+def _clipped_lrs(
+    lrs: LearningRates, grads: Mapping[str, torch.Tensor], factor: torch.Tensor
+) -> LearningRates | None:
+    """Each lr times the clip factor, for an optimizer whose step is linear in lr * grad; None where a
+    product would be larger than the factor (per-element lrs): then the grads are scaled instead."""
+    scaled = {}
+    for n, g in grads.items():
+        row_factor = _per_row(factor, g)
+        lr = lrs[n]
+        lr_shape = lr.shape if torch.is_tensor(lr) else ()
+        if torch.broadcast_shapes(lr_shape, row_factor.shape).numel() > factor.numel():
+            return None
+        scaled[n] = lr * row_factor.to(g.dtype)
+    return scaled
 
 
 def inner_step(
@@ -70,7 +106,15 @@ def inner_step(
     )
     grads = dict(zip(params, grads))
     if grad_clip is not None:
-        grads = clip_by_global_norm(grads, grad_clip, per_row=per_row)
+        # An optimizer linear in lr * grad (SGD) takes the clip factor in its learning rates: p - (lr f) g
+        # in one kernel, never the clipped grads f g as a tensor of their own (nor their outer backward's).
+        factor = clip_factor(grads, grad_clip, per_row=per_row)
+        linear = getattr(optimizer, "linear_in_lr_grad", False)
+        clipped = _clipped_lrs(lrs, grads, factor) if linear else None
+        if clipped is None:
+            grads = _scaled(grads, factor)
+        else:
+            lrs = clipped
     return optimizer.step(params, grads, state, lrs)
 
 

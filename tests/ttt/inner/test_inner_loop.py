@@ -233,6 +233,39 @@ def test_clip_by_global_norm_per_row_clips_each_row_as_on_its_own():
     torch.testing.assert_close(rows["a"][0], grads["a"][0])  # the small row is left alone
 
 
+@pytest.mark.parametrize("lr_kind", ["float", "per_row", "per_element"])
+def test_clipped_sgd_folds_the_clip_factor_into_the_lr_with_the_same_first_and_second_derivatives(lr_kind):
+    """SGD takes the clip factor in its learning rates (p - (lr f) g, one kernel) where the product is
+    no larger than the factor, else the clipped grads (per-element lrs): either way the step, its
+    gradient and its second derivative equal p - lr clip(g) written out, in float64, with a row above
+    max_norm, one below and an all-zero one."""
+    gen = torch.Generator().manual_seed(1)
+    w0 = torch.randn(3, 4, 5, dtype=torch.float64, generator=gen).requires_grad_()
+    rows = torch.tensor([1.0, 0.01, 0.0], dtype=torch.float64)[:, None, None]  # the last row: zero grads
+    lr = {"float": 0.7, "per_row": torch.tensor([0.5, 0.7, 0.9], dtype=torch.float64)[:, None, None],
+          "per_element": torch.rand(4, 5, dtype=torch.float64, generator=gen)}[lr_kind]
+
+    def inner_loss(w):
+        return ((w * rows).pow(3) / 3 + (w * rows).square()).sum()
+
+    params = {"w": w0 * 1.0}
+    folded, _ = inner_step(inner_loss(params["w"]), params, {}, optimizer=InnerSGD(), lrs={"w": lr},
+                           create_graph=True, grad_clip=1.0, per_row=True)
+    (g,) = torch.autograd.grad(inner_loss(w0 * 1.0), w0, create_graph=True)
+    norms = g.flatten(1).norm(dim=1)
+    assert norms[0] > 1 > norms[1] > 0 == norms[2]   # both branches of the clip, and zero
+    written = w0 - lr * clip_by_global_norm({"w": g}, 1.0, per_row=True)["w"]
+    torch.testing.assert_close(folded["w"], written, rtol=1e-14, atol=1e-14)
+    probe = torch.randn(3, 4, 5, dtype=torch.float64, generator=gen)
+    (first_folded,) = torch.autograd.grad((folded["w"] * probe).sum(), w0, create_graph=True)
+    (first_written,) = torch.autograd.grad((written * probe).sum(), w0, create_graph=True)
+    torch.testing.assert_close(first_folded, first_written, rtol=1e-13, atol=1e-13)
+    (second_folded,) = torch.autograd.grad(first_folded.square().sum(), w0)
+    (second_written,) = torch.autograd.grad(first_written.square().sum(), w0)
+    torch.testing.assert_close(second_folded, second_written, rtol=1e-12, atol=1e-12)
+    assert torch.isfinite(second_folded).all()
+
+
 def test_select_parameters_and_its_error():
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     assert list(select_parameters(model, ["1.*"])) == ["1.weight", "1.bias"]
