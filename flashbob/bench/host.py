@@ -6,7 +6,10 @@ down to the driver, which is replaced by one that compiles for sm_90 and launche
 
 Per (stage, head dim, mask, side, launch plans on / off), rounds of --iters calls on CPU tensors of
 shape (1, --heads, --n, d) in bf16, in an order that rotates from round to round; the table gives the
-median microseconds per call over the rounds and [min, max]. The stand-in driver (`stand_in_gpu`)
+median microseconds per call over the rounds and [min, max]. Stage second_order is a whole call of
+this tree's API through autograd (forward, gradient with create_graph, gradient of the gradients:
+float16 inputs, as the API takes no bfloat16 CPU tensors), the launchers' part of it and autograd's
+together. The stand-in driver (`stand_in_gpu`)
 keeps everything Python does per launch: the launchers' own work, Triton's binding and cache
 lookup, the launcher object's argument handling (TMA descriptors expanded into their fields);
 what it leaves out is the driver's C side (cuLaunchKernelEx, cuTensorMapEncodeTiled for each TMA
@@ -31,10 +34,12 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia import driver as nvidia_driver
 from triton.runtime import driver
 
-from flashbob import triton_ops
+from flashbob import triton_ops, validation
 from flashbob.bench import int_list, parse_mask, str_list
 
-STAGES = ("forward", "backward", "bob")
+STAGES = ("forward", "backward", "bob", "second_order")
+"""Launchers, and second_order: a whole second-order call through autograd (`flash_attention`,
+`torch.autograd.grad` with create_graph, then the gradient of those gradients), this tree's only."""
 
 
 class _Utils:
@@ -104,6 +109,8 @@ def stand_in_gpu(*sides, arch: int = 90, launch_to=None):
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("the stand-in GPU compiles kernels: unset TRITON_INTERPRET")
     sides = sides or (triton_ops,)
+    real_interpreter_check = validation.triton_interpreter_enabled
+    validation.triton_interpreter_enabled = lambda: True   # the API's device check: take CPU tensors
     hoppers = [(h, h.on_hopper) for h in (_package_module(ops, "hopper") for ops in sides) if h is not None]
     plans_modules = [m for m in (_package_module(ops, "launch_plans") for ops in sides) if m is not None]
     previous = driver._active   # None until a driver is first asked for (none exists without a GPU)
@@ -117,6 +124,7 @@ def stand_in_gpu(*sides, arch: int = 90, launch_to=None):
         yield
     finally:
         driver.set_active(previous)
+        validation.triton_interpreter_enabled = real_interpreter_check
         _Launcher.launch_to = None
         for hopper, on_hopper in hoppers:
             hopper.on_hopper = on_hopper
@@ -125,7 +133,10 @@ def stand_in_gpu(*sides, arch: int = 90, launch_to=None):
 
 
 def stage_call(ops, stage: str, d: int, n: int, heads: int, causal: bool, window: int | None):
-    """A no-argument call of `ops`' launcher of `stage` on fixed random bf16 CPU inputs (1, heads, n, d)."""
+    """A no-argument call of `ops`' launcher of `stage` on fixed random bf16 CPU inputs (1, heads, n, d);
+    second_order on float16 ones (the API refuses bfloat16 CPU tensors), None for another tree."""
+    if stage == "second_order":
+        return _second_order_call(ops, d, n, heads, causal, window)
     gen = torch.Generator().manual_seed(0)
     q, k, v, out, dout, dq, u_q, u_k, u_v = (torch.randn(1, heads, n, d, generator=gen).bfloat16()
                                              for _ in range(9))
@@ -138,6 +149,23 @@ def stage_call(ops, stage: str, d: int, n: int, heads: int, causal: bool, window
     if stage == "bob":
         return lambda: ops.bob(q, k, v, out, lse, dout, dq, u_q, u_k, u_v, **opts)
     raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+
+
+def _second_order_call(ops, d: int, n: int, heads: int, causal: bool, window: int | None):
+    if ops is not triton_ops:
+        return None
+    import flashbob
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, heads, n, d, generator=gen).half().requires_grad_() for _ in range(3))
+    dout, u_q, u_k, u_v = (torch.randn(1, heads, n, d, generator=gen).half() for _ in range(4))
+
+    def call():
+        out = flashbob.flash_attention(q, k, v, causal=causal, window=window, backend="triton")
+        grads = torch.autograd.grad(out, (q, k, v), dout, create_graph=True)
+        torch.autograd.grad(grads, (q, k, v), (u_q, u_k, u_v))
+
+    return call
 
 
 
@@ -200,9 +228,13 @@ def _measure(args, sides) -> list[dict]:
                 calls = {}
                 for name, ops, on in variants:
                     with plans(on):
-                        calls[name, on] = stage_call(ops, stage, d, args.n, args.heads, causal, window)
+                        call = stage_call(ops, stage, d, args.n, args.heads, causal, window)
+                        if call is None:
+                            continue
+                        calls[name, on] = call
                         for _ in range(3):
-                            calls[name, on]()
+                            call()
+                variants = [variant for variant in variants if (variant[0], variant[2]) in calls]
                 times = {key: [] for key in calls}
                 for r in range(args.rounds):
                     order = variants[r % len(variants):] + variants[:r % len(variants)]
