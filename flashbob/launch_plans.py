@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import contextvars
+import functools
 import os
 
 import torch
@@ -128,6 +129,8 @@ def scratch(buffer: torch.Tensor) -> torch.Tensor:
 class _Recorder:
     def __init__(self):
         self.launches: list[tuple] = []
+        self.repeats: list = []
+        """Each launch as a call that repeats it through Triton (`Plan.matches_triton` captures it)."""
         self.scratch: dict[int, tuple[int, torch.Tensor]] = {}
 
     def launcher(self, kernel, grid):
@@ -139,11 +142,14 @@ class _Recorder:
             bound.apply_defaults()
             grid3 = tuple(grid) + (1,) * (3 - len(grid))
             self.launches.append((compiled, grid3, list(bound.arguments.values())))
+            self.repeats.append(functools.partial(kernel[grid], *args, **kwargs))
             return compiled
 
         return launch
 
     def plan(self, slots: dict[str, torch.Tensor | None], allocate) -> Plan | None:
+        """The plan of the recorded call, or None where one cannot be made or would not hand each
+        launch the arguments Triton's own path does (`Plan.matches_triton`)."""
         if not self.launches or not all(hasattr(c, "packed_metadata") for c, _, _ in self.launches):
             return None
         names = [name for name, t in slots.items() if t is not None]
@@ -153,6 +159,7 @@ class _Recorder:
         for index, buffer in buffers:
             refs[id(buffer)] = len(names) + index
         views: list[tuple] = []
+        tensors = [slots[name] for name in names] + [buffer for _, buffer in buffers]
 
         def ref(t: torch.Tensor) -> int | None:
             if id(t) in refs:
@@ -161,11 +168,13 @@ class _Recorder:
             if base is None or id(base) not in refs:
                 return None
             views.append((refs[id(base)], tuple(t.shape), t.stride(), t.storage_offset()))
+            tensors.append(t)
             refs[id(t)] = len(names) + len(scratch) + len(views) - 1
             return refs[id(t)]
 
         launches = []
-        for compiled, grid, args in self.launches:
+        for compiled, grid, recorded in self.launches:
+            args = list(recorded)
             fills = []
             for position, value in enumerate(args):
                 if isinstance(value, torch.Tensor):
@@ -183,7 +192,8 @@ class _Recorder:
                     args[position] = None
             direct = _direct(compiled, grid, args, fills)
             launches.append(direct or _TritonLaunch(compiled, grid, args, fills))
-        return Plan(names, scratch, views, launches, allocate)
+        plan = Plan(names, scratch, views, launches, allocate)
+        return plan if plan.matches_triton(self.repeats, tensors) else None
 
 
 class Plan:
@@ -195,6 +205,19 @@ class Plan:
     def __init__(self, names, scratch, views, launches, allocate):
         self.names, self.scratch, self.views, self.launches = names, scratch, views, launches
         self.allocate = allocate
+
+    def matches_triton(self, repeats: list, tensors: list[torch.Tensor]) -> bool:
+        """Whether each launch, issued on the recorded call's own tensors (slots, scratch, views, in
+        the plan's order), hands over exactly what Triton's own path does when `repeats` runs it again:
+        at the driver's C launch for a `_DirectLaunch`, at the compiled kernel's launcher for a
+        `_TritonLaunch`. Both sides are captured, nothing is launched. False (no plan) for any
+        difference or any failure to capture, as with a Triton whose launch path has another form."""
+        stream = driver.active.get_current_stream(driver.active.get_current_device())
+        try:
+            return all(launch.matches_triton(repeat, tensors, stream)
+                       for launch, repeat in zip(self.launches, repeats, strict=True))
+        except Exception:  # noqa: BLE001 - any failure to capture: no plan, the launcher runs as written
+            return False
 
     def replay(self, slots: dict[str, torch.Tensor | None]) -> None:
         tensors = [slots[name] for name in self.names]
@@ -214,7 +237,8 @@ class _TritonLaunch:
     def __init__(self, compiled, grid, args, fills):
         self.compiled, self.grid, self.args, self.fills = compiled, grid, tuple(args), tuple(fills)
 
-    def issue(self, tensors: list[torch.Tensor], stream) -> None:
+    def arguments(self, tensors: list[torch.Tensor], stream) -> list:
+        """The compiled kernel launcher's arguments for these tensors."""
         args = list(self.args)
         for position, index, fields in self.fills:
             if fields is None:
@@ -223,9 +247,65 @@ class _TritonLaunch:
                 descriptor = object.__new__(TensorDescriptor)
                 descriptor.__dict__.update(fields, base=tensors[index])
                 args[position] = descriptor
-        x, y, z = self.grid
         compiled = self.compiled
-        compiled.run(x, y, z, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)
+        return [*self.grid, stream, compiled.function, compiled.packed_metadata, None, None, None, *args]
+
+    def issue(self, tensors: list[torch.Tensor], stream) -> None:
+        self.compiled.run(*self.arguments(tensors, stream))
+
+    def matches_triton(self, repeat, tensors: list[torch.Tensor], stream) -> bool:
+        captured = []
+        with _swapped(self.compiled, "_run", lambda *args: captured.append(args)):
+            repeat()
+        return len(captured) == 1 and _same(captured[0], self.arguments(tensors, stream), skip=(6, 7, 8))
+
+
+@contextlib.contextmanager
+def _swapped(owner, name: str, value):
+    """owner.name is value within the block."""
+    previous = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, previous)
+
+
+@contextlib.contextmanager
+def _swapped_cell(cell, value):
+    """A closure cell holds value within the block."""
+    previous = cell.cell_contents
+    cell.cell_contents = value
+    try:
+        yield
+    finally:
+        cell.cell_contents = previous
+
+
+def _same(theirs, ours, skip: tuple[int, ...]) -> bool:
+    """Whether two argument lists agree, positions `skip` (launch metadata and hooks) left out: tensors
+    by address, shape, strides and dtype, descriptors by their fields and base, the rest by value."""
+    return len(theirs) == len(ours) and all(
+        _same_value(a, b) for i, (a, b) in enumerate(zip(theirs, ours)) if i not in skip)
+
+
+def _layout_at(t: torch.Tensor) -> tuple:
+    return t.data_ptr(), t.shape, t.stride(), t.dtype
+
+
+def _fields(descriptor: TensorDescriptor) -> dict:
+    return {name: value for name, value in vars(descriptor).items() if name != "base"}
+
+
+def _same_value(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and _layout_at(a) == _layout_at(b)
+    if isinstance(a, TensorDescriptor) or isinstance(b, TensorDescriptor):
+        return (isinstance(a, TensorDescriptor) and isinstance(b, TensorDescriptor)
+                and _same_value(a.base, b.base) and _fields(a) == _fields(b))
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
 
 
 _tensor_maps: dict[tuple[int, int], object] = {}
@@ -285,30 +365,59 @@ def _direct(compiled, grid, args, fills) -> _DirectLaunch | None:
                    meta["block_size"], shape, list(fields["strides"]), 1 if fields["padding"] == "nan" else 0)
             maps_at.append((len(final), fill[1], next(_box_ids), box))
             final += [None, *shape, *fields["strides"]]
-    return _DirectLaunch(launch, final, tensor_at, maps_at)
+    return _DirectLaunch(launch, final, tensor_at, maps_at, launcher)
 
 
 class _DirectLaunch:
     """A launch handed straight to the driver's C launch: `final`, its arguments with the stream, the
     tensors and the tensor maps left out; tensor_at, (position, tensor index) each; maps_at,
-    (position, tensor index, box id, box: the encoder's arguments after the address) each."""
+    (position, tensor index, box id, box: the encoder's arguments after the address) each;
+    launcher: the compiled kernel's launcher that `launch` was taken from."""
 
-    def __init__(self, launch, final, tensor_at, maps_at):
+    def __init__(self, launch, final, tensor_at, maps_at, launcher):
         self.launch, self.final, self.tensor_at, self.maps_at = launch, final, tensor_at, maps_at
+        self.launcher = launcher
 
-    def issue(self, tensors: list[torch.Tensor], stream) -> None:
+    def arguments(self, tensors: list[torch.Tensor], stream, encode, cached: bool = True) -> list:
+        """The C launch's arguments for these tensors; encode(address, *box): the tensor map encoder,
+        its results kept by (address, box) unless not `cached`."""
         final = list(self.final)
         final[3] = stream
         for position, index in self.tensor_at:
             final[position] = tensors[index]
-        if self.maps_at:
-            encode = driver.active.utils.fill_tma_descriptor
-            for position, index, box_id, box in self.maps_at:
-                address = tensors[index].data_ptr()
-                tensor_map = _tensor_maps.get((address, box_id))
-                if tensor_map is None:
+        for position, index, box_id, box in self.maps_at:
+            address = tensors[index].data_ptr()
+            tensor_map = _tensor_maps.get((address, box_id)) if cached else None
+            if tensor_map is None:
+                tensor_map = encode(address, *box)
+                if cached:
                     if len(_tensor_maps) >= TENSOR_MAPS:
                         _tensor_maps.clear()
-                    tensor_map = _tensor_maps[address, box_id] = encode(address, *box)
-                final[position] = tensor_map
-        self.launch(*final)
+                    _tensor_maps[address, box_id] = tensor_map
+            final[position] = tensor_map
+        return final
+
+    def issue(self, tensors: list[torch.Tensor], stream) -> None:
+        self.launch(*self.arguments(tensors, stream, driver.active.utils.fill_tma_descriptor))
+
+    def matches_triton(self, repeat, tensors: list[torch.Tensor], stream) -> bool:
+        """Triton's path captured at its C launch (the wrapper's `launcher` cell, or the launcher's own
+        `launch` where there is no wrapper), tensor maps as their encoder's arguments, against ours."""
+        captured = []
+        utils = driver.active.utils
+
+        def encode(*fields):
+            return ("tensor map", *fields)
+
+        def record(*args):
+            captured.append(args)
+
+        wrapper = self.launcher.launch
+        code = getattr(wrapper, "__code__", None)
+        cells = {} if code is None else dict(zip(code.co_freevars, wrapper.__closure__ or ()))
+        capture = (_swapped_cell(cells["launcher"], record) if "launcher" in cells
+                   else _swapped(self.launcher, "launch", record))
+        with _swapped(utils, "fill_tma_descriptor", encode), capture:
+            repeat()
+        ours = self.arguments(tensors, stream, encode, cached=False)
+        return len(captured) == 1 and _same(captured[0], ours, skip=(10, 11, 12))

@@ -43,10 +43,13 @@ STAGES = ("forward", "backward", "bob", "second_order")
 
 
 class _Utils:
-    """The driver's utilities: a kernel "loads" as nothing; a TMA descriptor is its fields."""
+    """The driver's utilities: a kernel "loads" as a stand-in module (Triton loads again while the
+    module is None) and no function; a TMA descriptor is its fields."""
+
+    module = object()
 
     def load_binary(self, name, kernel, shared, device):
-        return None, None, 0, 0, 1024
+        return self.module, None, 0, 0, 1024
 
     def get_device_properties(self, device):
         return {"max_shared_mem": 232448, "multiprocessor_count": 132, "max_num_regs": 65536, "warpSize": 32}

@@ -80,32 +80,46 @@ def stand_in_driver(monkeypatch):
 
 
 class _Compiled:
-    """Stands in for a compiled kernel: run(...) records the launch."""
+    """Stands in for a compiled kernel: its launcher (`run`, Triton's property over `_run`) records."""
 
     packed_metadata = None
     function = None
 
     def __init__(self, calls):
-        self.calls = calls
+        self._run = calls.append_args
 
-    def run(self, *args):
-        self.calls.append(args)
+    @property
+    def run(self):
+        return self._run
+
+
+class _Calls(list):
+    def append_args(self, *args):
+        self.append(args)
 
 
 class _Kernel:
-    """Stands in for a @triton.jit kernel of signature (a, b, c, n, BLOCK)."""
+    """Stands in for a @triton.jit kernel of signature (a, b, c, n, BLOCK): one compiled kernel, launched
+    as JITFunction.run does (grid, stream 7, function, metadata, launch metadata, hooks, then the
+    arguments in signature order); `skew` hands it one argument more, as a Triton whose launch path
+    the plans do not know might."""
 
-    def __init__(self):
+    def __init__(self, skew: bool = False):
         import inspect
 
-        self.calls = []
+        self.calls, self.skew = _Calls(), skew
+        self.compiled = _Compiled(self.calls)
         self.signature = inspect.signature(lambda a, b, c, n, BLOCK=16: None)
         self.arg_names = list(self.signature.parameters)
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            self.calls.append((grid, args, kwargs))
-            return _Compiled(self.calls)
+            bound = self.signature.bind(*args, **{k: v for k, v in kwargs.items() if k in self.arg_names})
+            bound.apply_defaults()
+            extra = ("skew",) if self.skew else ()
+            grid3 = tuple(grid) + (1,) * (3 - len(grid))
+            self.compiled.run(*grid3, 7, None, None, "metadata", None, None, *bound.arguments.values(), *extra)
+            return self.compiled
 
         return launch
 
@@ -130,7 +144,7 @@ def test_replay_puts_the_new_slots_and_fresh_scratch_where_the_recorded_ones_wer
         return a, out, scratch["buf"][:, :8]
 
     key = _record(kernel, dict(a=a, out=out), make_args)
-    assert launch_plans.count() == 1 and len(kernel.calls) == 1
+    assert launch_plans.count() == 1 and len(kernel.calls) == 1   # checked against Triton: captured, not run
     a2, out2 = torch.randn(4, 8), torch.empty(4, 8)
     assert launch_plans.replay(key, dict(a=a2, out=out2))
     x, y, z, stream, function, metadata, launch_metadata, enter, leave, *args = kernel.calls[-1]
@@ -149,6 +163,14 @@ def test_a_tensor_that_is_neither_slot_nor_scratch_makes_no_plan_and_is_not_reco
     with launch_plans.recording(key, dict(a=a, out=out), None):   # all slots now, but not recorded again
         launch_plans.start(kernel, (1,))(a, out, a, n=1)
     assert launch_plans.count() == 0
+
+
+def test_a_plan_that_would_hand_over_other_arguments_than_triton_is_not_kept():
+    kernel = _Kernel(skew=True)
+    a, out = torch.randn(4), torch.empty(4)
+    key = _record(kernel, dict(a=a, out=out), lambda: (a, out, a))
+    assert launch_plans.count() == 0 and not launch_plans.replay(key, dict(a=a, out=out))
+    assert len(kernel.calls) == 1   # the recorded call's own launch, as written
 
 
 def test_plans_are_kept_up_to_capacity_least_recently_used_first(monkeypatch):
