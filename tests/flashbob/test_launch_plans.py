@@ -118,7 +118,8 @@ class _Kernel:
             bound.apply_defaults()
             extra = ("skew",) if self.skew else ()
             grid3 = tuple(grid) + (1,) * (3 - len(grid))
-            self.compiled.run(*grid3, 7, None, None, "metadata", None, None, *bound.arguments.values(), *extra)
+            arguments = (*bound.arguments.values(), *extra)
+            self.compiled.run(*grid3, 7, None, None, "metadata", None, None, *arguments)
             return self.compiled
 
         return launch
