@@ -25,7 +25,9 @@ Supported
       warpgroup MMAs: its rows pass always, warp-specialized (two consumer warpgroups share the
       key tiles a producer warp loads), its columns pass at head dim 64 (warp-specialized under a
       full mask), where each is faster (flashbob.hopper; FLASHBOB_SM90=1 runs both passes wherever
-      they can, =0 never);
+      they can, =0 never). Each launcher records its launches on its first call with an input layout
+      and replays them after, checked against Triton's own launch path when recorded
+      (flashbob.launch_plans; FLASHBOB_LAUNCH_PLANS=0 runs them as written every call);
     * derivatives: first and second order. The second (backward-over-backward) runs the FlashBoB
       kernels: exact, O(N) extra memory, no N x N tensor. A third derivative raises an error on the
       Triton path (use backend="torch");
