@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 
 import torch
+import triton
+from triton.compiler.errors import CompilationError
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -71,6 +74,30 @@ FASTER = {"cols": {(64, True), (64, False)}, "rows": {(64, True), (64, False), (
 H200 (BoB call at 16K, bf16, same run; docs/notes/kernel_notes.md): the default takes it there only."""
 
 
+_off_because: str | None = None
+"""Why the Hopper path is off for this process (a pass that did not compile), or None."""
+
+
+def compiled_or_off(launch_pass, *args, **kwargs) -> bool:
+    """launch_pass(*args, **kwargs) (`bob_rows` or `bob_cols`); True where it ran. Where its kernel does
+    not compile (these kernels are written for Triton 3.6's Gluon; another Triton's may differ), the
+    Hopper path goes off for the process with one warning, the launch plan being recorded is dropped,
+    and False lets the caller run the portable pass (which writes every output the Hopper one would)."""
+    global _off_because
+    try:
+        launch_pass(*args, **kwargs)
+    except CompilationError as err:
+        _off_because = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        warnings.warn(f"flashbob: the Hopper BoB kernels do not compile with triton {triton.__version__} "
+                      f"({_off_because}); the portable kernels run instead (same results, slower on Hopper)",
+                      RuntimeWarning, stacklevel=3)
+        from . import launch_plans  # here: launch_plans imports this module
+
+        launch_plans.drop_recording()
+        return False
+    return True
+
+
 def mode() -> str:
     """FLASHBOB_SM90: "auto" (unset: where `FASTER` says), "1" (wherever it can run) or "0" (never)."""
     value = os.environ.get(ENV, "auto")
@@ -98,7 +125,9 @@ def applies(pass_name: str, q: torch.Tensor, *tensors: torch.Tensor, causal: boo
     if pass_name not in FASTER:
         raise ValueError(f"pass_name={pass_name!r}: expected 'rows' or 'cols'")
     chosen = mode()
-    if chosen == "0" or (chosen == "auto" and (q.shape[-1], causal) not in FASTER[pass_name]):
+    if chosen == "0" or _off_because is not None:
+        return False
+    if chosen == "auto" and (q.shape[-1], causal) not in FASTER[pass_name]:
         return False
     known = q.shape[-1] in ROWS_LAUNCHES if pass_name == "rows" else (q.shape[-1], causal) in COLS_TILES
     return (q.dtype in GL_DTYPES and known and on_hopper(q)

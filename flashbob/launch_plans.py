@@ -7,8 +7,12 @@ first call with a given layout runs the launcher as written while `recording`: e
 through Triton as usual and returns its compiled kernel, whose arguments are then sorted into
 constants, the call's tensors (`slots`: inputs and outputs, by name) and the scratch buffers the
 launcher allocated (`scratch`). A later call with the same `key` only allocates its outputs and
-`replay`s: it allocates the scratch, rebuilds the descriptors from their recorded form around the
-new tensors and hands each compiled kernel its arguments, as Triton's `JITFunction.run` would.
+`replay`s: it allocates the scratch and hands each compiled kernel its arguments: straight to the
+driver's C launch with the TMA tensor maps encoded once per address where Triton's launcher has the
+form of Triton 3.6 (`_DirectLaunch`), else to the launcher with the descriptors rebuilt around the new
+tensors (`_TritonLaunch`), as Triton's `JITFunction.run` would. Each launch's form is checked when the
+plan is made: run once more through Triton with both sides captured (nothing launched), it must hand
+over exactly Triton's own arguments, or the next form is tried, and a launch with none makes no plan.
 
 The key holds everything a launch depends on besides the slots' contents: each input's shape,
 strides, dtype and 16-byte alignment (Triton's pointer specialization), the options, the current
@@ -106,6 +110,8 @@ def recording(plan_key: tuple | None, slots: dict[str, torch.Tensor | None], all
         yield
     finally:
         _recorder.reset(token)
+    if recorder.dropped:
+        return
     _plans[plan_key] = recorder.plan(slots, allocate)
     while len(_plans) > CAPACITY:
         _plans.popitem(last=False)
@@ -115,6 +121,14 @@ def start(kernel, grid):
     """kernel[grid], recorded where a recording is active."""
     recorder = _recorder.get()
     return kernel[grid] if recorder is None else recorder.launcher(kernel, grid)
+
+
+def drop_recording() -> None:
+    """The call being recorded makes no plan (its launches changed course midway); its key records
+    again on its next call."""
+    recorder = _recorder.get()
+    if recorder is not None:
+        recorder.dropped = True
 
 
 def scratch(buffer: torch.Tensor) -> torch.Tensor:
@@ -128,9 +142,10 @@ def scratch(buffer: torch.Tensor) -> torch.Tensor:
 
 class _Recorder:
     def __init__(self):
+        self.dropped = False
         self.launches: list[tuple] = []
         self.repeats: list = []
-        """Each launch as a call that repeats it through Triton (`Plan.matches_triton` captures it)."""
+        """Each launch as a call that repeats it through Triton (`_matches_triton` captures it)."""
         self.scratch: dict[int, tuple[int, torch.Tensor]] = {}
 
     def launcher(self, kernel, grid):
@@ -148,8 +163,8 @@ class _Recorder:
         return launch
 
     def plan(self, slots: dict[str, torch.Tensor | None], allocate) -> Plan | None:
-        """The plan of the recorded call, or None where one cannot be made or would not hand each
-        launch the arguments Triton's own path does (`Plan.matches_triton`)."""
+        """The plan of the recorded call, or None where one cannot be made or where some launch has no
+        form that hands over the arguments Triton's own path does (`_matches_triton`)."""
         if not self.launches or not all(hasattr(c, "packed_metadata") for c, _, _ in self.launches):
             return None
         names = [name for name, t in slots.items() if t is not None]
@@ -173,7 +188,8 @@ class _Recorder:
             return refs[id(t)]
 
         launches = []
-        for compiled, grid, recorded in self.launches:
+        stream = driver.active.get_current_stream(driver.active.get_current_device())
+        for (compiled, grid, recorded), repeat in zip(self.launches, self.repeats, strict=True):
             args = list(recorded)
             fills = []
             for position, value in enumerate(args):
@@ -190,10 +206,26 @@ class _Recorder:
                     fields = {name: field for name, field in vars(value).items() if name != "base"}
                     fills.append((position, index, fields))
                     args[position] = None
-            direct = _direct(compiled, grid, args, fills)
-            launches.append(direct or _TritonLaunch(compiled, grid, args, fills))
-        plan = Plan(names, scratch, views, launches, allocate)
-        return plan if plan.matches_triton(self.repeats, tensors) else None
+            # The first form whose arguments, on this call's own tensors, are exactly Triton's own.
+            forms = (_direct(compiled, grid, args, fills), _TritonLaunch(compiled, grid, args, fills))
+            chosen = next((form for form in forms if form is not None
+                           and _matches_triton(form, repeat, tensors, stream)), None)
+            if chosen is None:
+                return None
+            launches.append(chosen)
+        return Plan(names, scratch, views, launches, allocate)
+
+
+def _matches_triton(launch, repeat, tensors: list[torch.Tensor], stream) -> bool:
+    """Whether `launch`, issued on the recorded call's own tensors (slots, scratch, views, in the
+    plan's order), hands over exactly what Triton's own path does when `repeat` runs it again: at the
+    driver's C launch for a `_DirectLaunch`, at the compiled kernel's launcher for a `_TritonLaunch`.
+    Both sides are captured, nothing is launched. False for any difference or any failure to capture,
+    as with a Triton whose launch path has another form."""
+    try:
+        return launch.matches_triton(repeat, tensors, stream)
+    except Exception:  # noqa: BLE001 - any failure to capture: not this form
+        return False
 
 
 class Plan:
@@ -205,19 +237,6 @@ class Plan:
     def __init__(self, names, scratch, views, launches, allocate):
         self.names, self.scratch, self.views, self.launches = names, scratch, views, launches
         self.allocate = allocate
-
-    def matches_triton(self, repeats: list, tensors: list[torch.Tensor]) -> bool:
-        """Whether each launch, issued on the recorded call's own tensors (slots, scratch, views, in
-        the plan's order), hands over exactly what Triton's own path does when `repeats` runs it again:
-        at the driver's C launch for a `_DirectLaunch`, at the compiled kernel's launcher for a
-        `_TritonLaunch`. Both sides are captured, nothing is launched. False (no plan) for any
-        difference or any failure to capture, as with a Triton whose launch path has another form."""
-        stream = driver.active.get_current_stream(driver.active.get_current_device())
-        try:
-            return all(launch.matches_triton(repeat, tensors, stream)
-                       for launch, repeat in zip(self.launches, repeats, strict=True))
-        except Exception:  # noqa: BLE001 - any failure to capture: no plan, the launcher runs as written
-            return False
 
     def replay(self, slots: dict[str, torch.Tensor | None]) -> None:
         tensors = [slots[name] for name in self.names]

@@ -292,16 +292,15 @@ def _bob_launches(q, k, v, out, lse, dout, dq, u_q, u_k, u_v, key_range, grad_q,
             n, m, heads_q, heads_kv, group, **common, **cfg,
         )
 
-    if hopper.applies("rows", q, k, v, dout, u_q_, u_k_, u_v_, causal=causal):
-        hopper.bob_rows(_start, q, k, v, out, dout, dq, u_q_, u_k_, u_v_, lse, delta, grad_q, grad_dout,
-                        row_c, row_e, svec=row_stride(n), heads_q=heads_q, group=group, common=common,
-                        allocate=_empty)
-    else:
+    # Each pass writes all of its outputs, so a Hopper pass that does not compile (hopper.compiled_or_off:
+    # a Triton whose Gluon differs) leaves the portable pass a clean slate.
+    if not (hopper.applies("rows", q, k, v, dout, u_q_, u_k_, u_v_, causal=causal) and hopper.compiled_or_off(
+            hopper.bob_rows, _start, q, k, v, out, dout, dq, u_q_, u_k_, u_v_, lse, delta, grad_q, grad_dout,
+            row_c, row_e, svec=row_stride(n), heads_q=heads_q, group=group, common=common, allocate=_empty)):
         _launch("bob_rows", q, run_rows, PRECISION=precision, **flags)
-    if hopper.applies("cols", q, k, v, dout, u_q_, u_k_, u_v_, lse, delta, row_c, row_e, causal=causal):
-        hopper.bob_cols(_start, q, k, v, dout, u_q_, u_k_, u_v_, lse, delta, row_c, row_e, grad_k, grad_v,
-                        group=group, common=common)
-    else:
+    if not (hopper.applies("cols", q, k, v, dout, u_q_, u_k_, u_v_, lse, delta, row_c, row_e, causal=causal)
+            and hopper.compiled_or_off(hopper.bob_cols, _start, q, k, v, dout, u_q_, u_k_, u_v_, lse, delta,
+                                       row_c, row_e, grad_k, grad_v, group=group, common=common)):
         _launch("bob_cols", q, run_cols, PRECISION=precision, **flags)
 
 

@@ -28,6 +28,8 @@ import os
 import statistics
 import sys
 import time
+import types
+from unittest import mock
 
 import torch
 from triton.backends.compiler import GPUTarget
@@ -42,11 +44,23 @@ STAGES = ("forward", "backward", "bob", "second_order")
 `torch.autograd.grad` with create_graph, then the gradient of those gradients), this tree's only."""
 
 
+_launch_to = None
+"""Where the stand-in C launch sends each launch's arguments (None: nowhere)."""
+
+
+def _c_launch(*args):
+    """The driver's C launch, standing in: launches nothing."""
+    if _launch_to is not None:
+        _launch_to(args)
+
+
 class _Utils:
     """The driver's utilities: a kernel "loads" as a stand-in module (Triton loads again while the
-    module is None) and no function; a TMA descriptor is its fields."""
+    module is None) and no function; a TMA descriptor is its fields; the C launch (`launch`, where
+    Triton's launcher takes it from the utilities) launches nothing."""
 
     module = object()
+    launch = staticmethod(_c_launch)
 
     def load_binary(self, name, kernel, shared, device):
         return self.module, None, 0, 0, 1024
@@ -57,26 +71,37 @@ class _Utils:
     def fill_tma_descriptor(self, *fields):
         return ("tma", *fields)
 
+    fill_tma_descriptor_tiled = fill_tma_descriptor   # the names of newer Tritons
 
-class _Launcher(nvidia_driver.CudaLauncher):
-    """Triton's CUDA launcher with its compiled C launch replaced by `launch` (nothing, or a recorder)."""
+    def build_signature_metadata(self, signature):
+        return tuple(signature)
 
-    launch_to = None
+    def is_stream_capturing(self, stream):
+        return False
 
-    def __init__(self, src, metadata):
-        signature = dict(src.signature.items())
-        self.launch = nvidia_driver.wrap_handle_tensordesc(
-            lambda *args: _Launcher.launch_to and _Launcher.launch_to(args), signature,
-            getattr(metadata, "tensordesc_meta", None))
-        self.num_ctas = getattr(metadata, "num_ctas", 1)
-        for name in ("global_scratch_size", "global_scratch_align", "profile_scratch_size",
-                     "profile_scratch_align", "launch_cooperative_grid", "launch_pdl"):
-            setattr(self, name, getattr(metadata, name))
+
+def _launcher(src, metadata):
+    """Triton's own CUDA launcher, made without building its C module (where this Triton builds one per
+    kernel, the build returns a module whose launch is `_c_launch`)."""
+    patches = contextlib.ExitStack()
+    with patches:
+        if hasattr(nvidia_driver, "compile_module_from_src"):
+            module = types.SimpleNamespace(launch=_c_launch)
+            patches.enter_context(mock.patch.object(nvidia_driver, "compile_module_from_src",
+                                                    lambda *args, **kwargs: module))
+        if hasattr(nvidia_driver, "library_dirs"):
+            patches.enter_context(mock.patch.object(nvidia_driver, "library_dirs", lambda: []))
+        # Names a newer Triton takes from its driver's C module, which needs a GPU to build.
+        for name in ("PyKernelArg", "ARG_CONSTEXPR", "ARG_KERNEL", "ARG_TUPLE"):
+            if getattr(nvidia_driver, name, 0) is None:
+                stand_in = (lambda **fields: tuple(sorted(fields.items()))) if name == "PyKernelArg" else name
+                patches.enter_context(mock.patch.object(nvidia_driver, name, stand_in))
+        return nvidia_driver.CudaLauncher(src, metadata)
 
 
 class _StandInDriver:
     def __init__(self, arch: int):
-        self.utils, self.launcher_cls, self.arch = _Utils(), _Launcher, arch
+        self.utils, self.launcher_cls, self.arch = _Utils(), _launcher, arch
 
     def get_current_device(self):
         return 0
@@ -116,9 +141,10 @@ def stand_in_gpu(*sides, arch: int = 90, launch_to=None):
     validation.triton_interpreter_enabled = lambda: True   # the API's device check: take CPU tensors
     hoppers = [(h, h.on_hopper) for h in (_package_module(ops, "hopper") for ops in sides) if h is not None]
     plans_modules = [m for m in (_package_module(ops, "launch_plans") for ops in sides) if m is not None]
+    global _launch_to
     previous = driver._active   # None until a driver is first asked for (none exists without a GPU)
     driver.set_active(_StandInDriver(arch))
-    _Launcher.launch_to = launch_to
+    _launch_to = launch_to
     for hopper, _ in hoppers:
         hopper.on_hopper = lambda q: arch == 90
     for module in plans_modules:
@@ -128,7 +154,7 @@ def stand_in_gpu(*sides, arch: int = 90, launch_to=None):
     finally:
         driver.set_active(previous)
         validation.triton_interpreter_enabled = real_interpreter_check
-        _Launcher.launch_to = None
+        _launch_to = None
         for hopper, on_hopper in hoppers:
             hopper.on_hopper = on_hopper
         for module in plans_modules:

@@ -64,20 +64,18 @@ def canonical(launches: list, t: dict, outputs) -> list:
     def name(ptr: int) -> str:
         return names.get(ptr) or scratch.setdefault(ptr, f"scratch{len(scratch)}")
 
-    rows = []
-    for args in launches:
-        row = []
-        for a in args:
-            if isinstance(a, torch.Tensor):
-                row.append(["tensor", name(a.data_ptr()), list(a.shape), list(a.stride()), str(a.dtype)])
-            elif isinstance(a, tuple) and a and a[0] == "tma":
-                row.append(["tma", name(a[1]), repr(a[2:])])
-            elif a is None or type(a).__name__ in ("LazyDict", "HookChain"):
-                row.append("-")   # launch metadata and hooks: none are set, so none are called
-            else:
-                row.append(repr(a))
-        rows.append(row)
-    return rows
+    def named(a):
+        if isinstance(a, torch.Tensor):
+            return ["tensor", name(a.data_ptr()), list(a.shape), list(a.stride()), str(a.dtype)]
+        if isinstance(a, tuple) and a and a[0] == "tma":
+            return ["tma", name(a[1]), repr(a[2:])]
+        if isinstance(a, (tuple, list)):   # newer Tritons hand the kernel's arguments over as one tuple
+            return [named(x) for x in a]
+        if a is None or type(a).__name__ in ("LazyDict", "HookChain"):
+            return "-"   # launch metadata and hooks: none are set, so none are called
+        return repr(a)
+
+    return [[named(a) for a in args] for args in launches]
 
 
 def main():

@@ -111,6 +111,36 @@ def test_by_default_it_applies_where_it_measured_faster(monkeypatch, pass_name):
         hopper.applies("columns", q, q, causal=True)
 
 
+def test_a_pass_that_does_not_compile_turns_the_hopper_path_off_once_and_drops_the_plan(monkeypatch):
+    """A Triton whose Gluon differs from 3.6's (Triton 3.9's does not compile these kernels): the pass
+    reports False for the portable one to run, one warning names the version, the Hopper path stays off
+    for the process, and the launch plan being recorded is not kept (the key records again)."""
+    from triton.compiler.errors import CompilationError
+
+    from flashbob import launch_plans
+
+    class GluonChanged(CompilationError):
+        def __init__(self):
+            self.message = "at 37:4: warp_specialize"
+            Exception.__init__(self, self.message)
+
+    def fails(*args, **kwargs):
+        raise GluonChanged()
+
+    monkeypatch.setattr(hopper, "_off_because", None)
+    monkeypatch.setattr(hopper, "on_hopper", lambda q: True)
+    monkeypatch.setenv(hopper.ENV, "1")
+    q = torch.zeros(1, 1, 16, 64, dtype=torch.bfloat16)
+    assert hopper.applies("rows", q, q, causal=True)
+    launch_plans.clear()
+    warned = pytest.warns(RuntimeWarning, match="do not compile with triton .*portable kernels run instead")
+    with warned, launch_plans.recording(("a key",), {"q": q}, None):
+        assert hopper.compiled_or_off(fails, 1, two=2) is False
+    assert ("a key",) not in launch_plans._plans
+    assert not hopper.applies("rows", q, q, causal=True) and not hopper.applies("cols", q, q, causal=True)
+    assert hopper.compiled_or_off(lambda: None) is True
+
+
 SUBSETS = [s for r in (1, 2) for s in itertools.combinations(("u_q", "u_k", "u_v"), r)]
 CASES = [
     Case(1, 2, 2, 37, 37, 64),
