@@ -31,6 +31,7 @@ import contextlib
 import contextvars
 import functools
 import os
+import warnings
 
 import torch
 from triton import knobs
@@ -112,7 +113,12 @@ def recording(plan_key: tuple | None, slots: dict[str, torch.Tensor | None], all
         _recorder.reset(token)
     if recorder.dropped:
         return
-    _plans[plan_key] = recorder.plan(slots, allocate)
+    try:
+        _plans[plan_key] = recorder.plan(slots, allocate)
+    except Exception as err:  # noqa: BLE001 - the launches ran as written; only the plan is lost
+        warnings.warn(f"flashbob: no launch plan for {plan_key[0]} ({type(err).__name__}: {err}); its "
+                      f"launchers run as written", RuntimeWarning, stacklevel=4)
+        _plans[plan_key] = None
     while len(_plans) > CAPACITY:
         _plans.popitem(last=False)
 

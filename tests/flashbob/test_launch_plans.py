@@ -206,3 +206,15 @@ def test_keys_hold_layouts_and_are_off_where_plans_do_not_apply(monkeypatch):
 def test_the_interpreter_never_plans():
     q = torch.randn(1, 1, 4, 4)
     assert launch_plans.key("forward", dict(q=q), ()) is None
+
+
+def test_a_failure_to_make_a_plan_warns_and_leaves_the_launcher_as_written(monkeypatch):
+    def broken(self, slots, allocate):
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(launch_plans._Recorder, "plan", broken)
+    kernel, a, out = _Kernel(), torch.randn(4), torch.empty(4)
+    with pytest.warns(RuntimeWarning, match="no launch plan for stand-in .*KeyError"):
+        key = _record(kernel, dict(a=a, out=out), lambda: (a, out, a))
+    assert len(kernel.calls) == 1 and launch_plans.count() == 0
+    assert not launch_plans.replay(key, dict(a=a, out=out))
