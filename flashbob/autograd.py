@@ -25,6 +25,29 @@ import torch
 
 from . import precompile, triton_ops
 
+try:  # torch's own Function.apply uses both; without them, every apply is torch's
+    from torch._functorch.utils import unwrap_dead_wrappers as _unwrap_dead_wrappers
+
+    _transforms_active = torch._C._are_functorch_transforms_active
+except (ImportError, AttributeError):
+    _unwrap_dead_wrappers = _transforms_active = None
+
+
+class _Function(torch.autograd.Function):
+    """The base of every Function here. Its apply(*args) skips what torch's `Function.apply` adds on
+    each call of a Function with setup_context, binding the arguments to forward's signature
+    (`inspect.signature` every call: about 45 us of each apply on the CPU host model, `python -m
+    flashbob.bench host --stages second_order`), where no torch.func transform is active. Every
+    Function here is applied with all of its arguments, positionally, and has no defaults, so the
+    binding would change nothing. Under a transform (vmap, grad, jvp) torch's own apply runs; dead
+    functorch wrappers are unwrapped as torch's apply does."""
+
+    @classmethod
+    def apply(cls, *args):
+        if _transforms_active is None or _transforms_active():
+            return super().apply(*args)
+        return super(torch.autograd.Function, cls).apply(*_unwrap_dead_wrappers(args))
+
 
 class _Options:
     """Mask, scale and float32 precision, carried through the chain as one non-tensor argument."""
@@ -68,7 +91,7 @@ def _refuse_forward_mode(ctx, *tangents):
     raise NotImplementedError(FORWARD_MODE_ERROR)
 
 
-class AttentionFunction(torch.autograd.Function):
+class AttentionFunction(_Function):
     """(q, k, v) -> (out, lse); its backward is `AttentionBackwardFunction`, its jvp (forward mode)
     `AttentionJvpFunction`."""
 
@@ -109,7 +132,7 @@ class AttentionFunction(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
-class AttentionBackwardFunction(torch.autograd.Function):
+class AttentionBackwardFunction(_Function):
     """(q, k, v, out, lse, dout) -> (dq, dk, dv); its backward is the FlashBoB stage."""
 
     @staticmethod
@@ -141,7 +164,7 @@ class AttentionBackwardFunction(torch.autograd.Function):
         return grad_q, grad_k, grad_v, None, None, grad_dout, None, None
 
 
-class BobFunction(torch.autograd.Function):
+class BobFunction(_Function):
     """The FlashBoB stage as a Function, so that a third derivative fails loudly, not silently."""
 
     @staticmethod
@@ -169,7 +192,7 @@ class BobFunction(torch.autograd.Function):
         )
 
 
-class AttentionJvpFunction(torch.autograd.Function):
+class AttentionJvpFunction(_Function):
     """(q, k, v, t_q, t_k, t_v) -> (out, lse, t_out) by the fused forward-with-tangent kernel; any
     tangent may be None. Its backward differentiates t_out = J(q, k, v) t: with g the cotangent of
     t_out, <g, J t> = <J^T g, t>, so the gradient with respect to t is the first backward with

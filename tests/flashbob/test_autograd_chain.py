@@ -34,6 +34,50 @@ def test_double_backward_through_autograd(case):
         assert rel_err(got, want) <= TOL, f"bob output {i}"
 
 
+def test_outside_torch_func_transforms_apply_skips_torch_s_per_call_signature_binding(monkeypatch):
+    """The Functions' apply (flashbob.autograd._Function) bypasses torch's `Function.apply`, which binds
+    the arguments to forward's signature on every call, outside a transform, with the same second-order
+    results as torch's own apply; under torch.func.grad it takes torch's."""
+    from flashbob import autograd
+
+    ours = (autograd.AttentionFunction, autograd.AttentionBackwardFunction, autograd.BobFunction)
+    torch_apply = torch.autograd.Function.apply.__func__
+    seen = []
+
+    def counted(cls, *args, **kwargs):
+        seen.append(cls)
+        return torch_apply(cls, *args, **kwargs)
+
+    case = CASES[2]
+    q, k, v, dout, u_q, u_k, u_v = make_inputs(case, seed=5)
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+
+    def attention(q_, k_, v_):
+        return flashbob.flash_attention(q_, k_, v_, causal=case.causal, window=case.window, backend="triton")
+
+    def second_order():
+        grads = torch.autograd.grad(attention(q, k, v), (q, k, v), dout, create_graph=True)
+        return torch.autograd.grad(grads, (q, k, v), (u_q, u_k, u_v))
+
+    monkeypatch.setattr(torch.autograd.Function, "apply", classmethod(counted))
+    fast = second_order()
+    assert not any(cls in ours for cls in seen)
+    for function in ours:
+        monkeypatch.setattr(function, "apply", classmethod(torch_apply))
+    reference = second_order()
+    for got, want in zip(fast, reference):
+        assert torch.equal(got, want)
+    monkeypatch.undo()
+    seen.clear()
+    monkeypatch.setattr(torch.autograd.Function, "apply", classmethod(counted))
+
+    def inner(q_):
+        return (attention(q_, k.detach(), v.detach()) * dout).sum()
+
+    torch.func.grad(lambda q_: torch.func.grad(inner)(q_).square().sum())(q.detach())
+    assert autograd.AttentionFunction in seen   # under the transforms, torch's own apply
+
+
 def test_outer_loss_on_dq_only():
     """A MAML-style outer loss that depends on dq alone: u_k and u_v are absent in the BoB."""
     case = CASES[1]
