@@ -27,7 +27,6 @@ import contextlib
 import os
 import statistics
 import sys
-import time
 import types
 from unittest import mock
 
@@ -37,7 +36,7 @@ from triton.backends.nvidia import driver as nvidia_driver
 from triton.runtime import driver
 
 from flashbob import triton_ops, validation
-from flashbob.bench import int_list, parse_mask, str_list
+from flashbob.bench import host_ms, int_list, parse_mask, str_list
 
 STAGES = ("forward", "backward", "bob", "second_order")
 """Launchers, and second_order: a whole second-order call through autograd (`flash_attention`,
@@ -215,14 +214,6 @@ def plans(on: bool | None):
             os.environ["FLASHBOB_LAUNCH_PLANS"] = previous
 
 
-def time_us(call, iters: int) -> float:
-    """Mean microseconds per call of `iters` calls back to back."""
-    start = time.perf_counter()
-    for _ in range(iters):
-        call()
-    return 1e6 * (time.perf_counter() - start) / iters
-
-
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(prog="python -m flashbob.bench host", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -269,7 +260,7 @@ def _measure(args, sides) -> list[dict]:
                     order = variants[r % len(variants):] + variants[:r % len(variants)]
                     for name, _, on in order:
                         with plans(on):
-                            times[name, on].append(time_us(calls[name, on], args.iters))
+                            times[name, on].append(1e3 * host_ms(calls[name, on], args.iters))
                 for (name, on), values in times.items():
                     row = dict(stage=stage, d=d, mask=mask, side=name, plans=on,
                                us=statistics.median(values), us_min=min(values), us_max=max(values))
