@@ -62,6 +62,14 @@ def count() -> int:
     return sum(plan is not None for plan in _plans.values())
 
 
+def switched_on() -> bool:
+    """FLASHBOB_LAUNCH_PLANS: "1" (or unset) records and replays plans, "0" runs every call as written."""
+    value = os.environ.get(ENV, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{ENV}={value!r}: expected 0 or 1")
+    return value == "1"
+
+
 def _hooked(hook) -> bool:
     """Whether a Triton launch hook is set: a function, or a chain of hooks (Triton 3.6) holding one."""
     return hook is not None and bool(getattr(hook, "calls", True))
@@ -75,7 +83,7 @@ def key(launcher: str, inputs: dict[str, torch.Tensor | None], options: tuple) -
     """The plan key of a launcher call: `launcher`'s name, each input's layout (None: absent) and
     `options` (the launcher's non-tensor arguments), or None where plans are off for this call
     (module doc). The launcher's outputs, allocated from the inputs' shapes, need no key of their own."""
-    if (os.environ.get(ENV) == "0" or triton_interpreter_enabled() or tiling.adjusted()
+    if (not switched_on() or triton_interpreter_enabled() or tiling.adjusted()
             or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook)):
         return None
     tensors = [t for t in inputs.values() if t is not None]

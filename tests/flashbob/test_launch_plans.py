@@ -201,6 +201,9 @@ def test_keys_hold_layouts_and_are_off_where_plans_do_not_apply(monkeypatch):
         assert launch_plans.key("forward", dict(q=q), ()) is None
     monkeypatch.setenv(launch_plans.ENV, "0")
     assert launch_plans.key("forward", dict(q=q), ()) is None
+    monkeypatch.setenv(launch_plans.ENV, "off")
+    with pytest.raises(ValueError, match="FLASHBOB_LAUNCH_PLANS='off': expected 0 or 1"):
+        launch_plans.key("forward", dict(q=q), ())
 
 
 def test_the_interpreter_never_plans():

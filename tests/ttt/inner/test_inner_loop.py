@@ -234,7 +234,9 @@ def test_clip_by_global_norm_per_row_clips_each_row_as_on_its_own():
 
 
 @pytest.mark.parametrize("lr_kind", ["float", "per_row", "per_element"])
-def test_clipped_sgd_folds_the_clip_factor_into_the_lr_with_the_same_first_and_second_derivatives(lr_kind):
+def test_clipped_sgd_folds_the_clip_factor_into_the_lr_with_the_same_first_and_second_derivatives(
+    lr_kind, monkeypatch
+):
     """SGD takes the clip factor in its learning rates (p - (lr f) g, one kernel) where the product is
     no larger than the factor, else the clipped grads (per-element lrs): either way the step, its
     gradient and its second derivative equal p - lr clip(g) written out, in float64, with a row above
@@ -248,13 +250,20 @@ def test_clipped_sgd_folds_the_clip_factor_into_the_lr_with_the_same_first_and_s
     def inner_loss(w):
         return ((w * rows).pow(3) / 3 + (w * rows).square()).sum()
 
+    handed = []
+    sgd_step = InnerSGD.step
+    monkeypatch.setattr(InnerSGD, "step", lambda self, p, grads, state, lrs: handed.append(grads["w"])
+                        or sgd_step(self, p, grads, state, lrs))
     params = {"w": w0 * 1.0}
     folded, _ = inner_step(inner_loss(params["w"]), params, {}, optimizer=InnerSGD(), lrs={"w": lr},
                            create_graph=True, grad_clip=1.0, per_row=True)
     (g,) = torch.autograd.grad(inner_loss(w0 * 1.0), w0, create_graph=True)
     norms = g.flatten(1).norm(dim=1)
     assert norms[0] > 1 > norms[1] > 0 == norms[2]   # both branches of the clip, and zero
-    written = w0 - lr * clip_by_global_norm({"w": g}, 1.0, per_row=True)["w"]
+    clipped = clip_by_global_norm({"w": g}, 1.0, per_row=True)["w"]
+    # SGD got the gradients themselves where the factor went into the lrs, the clipped ones otherwise.
+    torch.testing.assert_close(handed[0], clipped if lr_kind == "per_element" else g, rtol=0, atol=0)
+    written = w0 - lr * clipped
     torch.testing.assert_close(folded["w"], written, rtol=1e-14, atol=1e-14)
     probe = torch.randn(3, 4, 5, dtype=torch.float64, generator=gen)
     (first_folded,) = torch.autograd.grad((folded["w"] * probe).sum(), w0, create_graph=True)
