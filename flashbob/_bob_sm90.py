@@ -47,6 +47,10 @@ from ._tiles import (
     visible_t,
 )
 
+tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+"""TMA's global-to-shared copy (tensor descriptor, coordinates, mbarrier, destination): `async_load` since
+Triton 3.8, `async_copy_global_to_shared` before (3.9 removed that name)."""
+
 
 @gluon.jit
 def _ring_barriers(STAGES: gl.constexpr):
@@ -73,16 +77,16 @@ def _issue_query_tiles(t, n_tiles, lo, b, hk, GROUP, q_desc, do_desc, uq_desc, l
                             + lse_desc.block_type.nbytes * (2 + 2 * HAS_G))
     bar = bars.index(slot)
     mbarrier.expect(bar, nbytes)
-    tma.async_copy_global_to_shared(q_desc, [b, h, start_m, 0], bar, q_ring.index(slot))
+    tma_load(q_desc, [b, h, start_m, 0], bar, q_ring.index(slot))
     if LOAD_DO:
-        tma.async_copy_global_to_shared(do_desc, [b, h, start_m, 0], bar, do_ring.index(slot))
+        tma_load(do_desc, [b, h, start_m, 0], bar, do_ring.index(slot))
     if HAS_UQ:
-        tma.async_copy_global_to_shared(uq_desc, [b, h, start_m, 0], bar, uq_ring.index(slot))
-    tma.async_copy_global_to_shared(lse_desc, [b, h, start_m], bar, lse_ring.index(slot))
-    tma.async_copy_global_to_shared(e_desc, [b, h, start_m], bar, e_ring.index(slot))
+        tma_load(uq_desc, [b, h, start_m, 0], bar, uq_ring.index(slot))
+    tma_load(lse_desc, [b, h, start_m], bar, lse_ring.index(slot))
+    tma_load(e_desc, [b, h, start_m], bar, e_ring.index(slot))
     if HAS_G:
-        tma.async_copy_global_to_shared(delta_desc, [b, h, start_m], bar, delta_ring.index(slot))
-        tma.async_copy_global_to_shared(c_desc, [b, h, start_m], bar, c_ring.index(slot))
+        tma_load(delta_desc, [b, h, start_m], bar, delta_ring.index(slot))
+        tma_load(c_desc, [b, h, start_m], bar, c_ring.index(slot))
 
 
 @gluon.jit
@@ -121,13 +125,13 @@ def _issue_key_tiles(t, lo, b, hk, k_desc, v_desc, uk_desc, uv_desc, bars, k_rin
     nbytes: gl.constexpr = k_desc.block_type.nbytes * (1 + HAS_G + HAS_UK + HAS_UV)
     bar = bars.index(slot)
     mbarrier.expect(bar, nbytes)
-    tma.async_copy_global_to_shared(k_desc, [b, hk, start_n, 0], bar, k_ring.index(slot))
+    tma_load(k_desc, [b, hk, start_n, 0], bar, k_ring.index(slot))
     if HAS_G:
-        tma.async_copy_global_to_shared(v_desc, [b, hk, start_n, 0], bar, v_ring.index(slot))
+        tma_load(v_desc, [b, hk, start_n, 0], bar, v_ring.index(slot))
     if HAS_UK:
-        tma.async_copy_global_to_shared(uk_desc, [b, hk, start_n, 0], bar, uk_ring.index(slot))
+        tma_load(uk_desc, [b, hk, start_n, 0], bar, uk_ring.index(slot))
     if HAS_UV:
-        tma.async_copy_global_to_shared(uv_desc, [b, hk, start_n, 0], bar, uv_ring.index(slot))
+        tma_load(uv_desc, [b, hk, start_n, 0], bar, uv_ring.index(slot))
 
 
 @gluon.jit
@@ -277,13 +281,13 @@ def attention_bob_cols_sm90_kernel(
     if HAS_UV:
         uv_smem = gl.allocate_shared_memory(dtype, uv_desc.block_type.shape, uv_desc.layout)
     mbarrier.expect(key_bar.index(0), key_bytes)
-    tma.async_copy_global_to_shared(k_desc, [b, hk, start_n, 0], key_bar.index(0), k_smem)
+    tma_load(k_desc, [b, hk, start_n, 0], key_bar.index(0), k_smem)
     if HAS_G:
-        tma.async_copy_global_to_shared(v_desc, [b, hk, start_n, 0], key_bar.index(0), v_smem)
+        tma_load(v_desc, [b, hk, start_n, 0], key_bar.index(0), v_smem)
     if HAS_UK:
-        tma.async_copy_global_to_shared(uk_desc, [b, hk, start_n, 0], key_bar.index(0), uk_smem)
+        tma_load(uk_desc, [b, hk, start_n, 0], key_bar.index(0), uk_smem)
     if HAS_UV:
-        tma.async_copy_global_to_shared(uv_desc, [b, hk, start_n, 0], key_bar.index(0), uv_smem)
+        tma_load(uv_desc, [b, hk, start_n, 0], key_bar.index(0), uv_smem)
 
     bars = _ring_barriers(STAGES)
     q_ring = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
@@ -382,13 +386,13 @@ def _issue_blocks_once(bar, b, h, start, first_desc, second_desc, third_desc, fo
     mbarrier.expect(bar, nbytes)
     for i in gl.static_range(CONSUMERS):
         rows = start + i * BLOCK
-        tma.async_copy_global_to_shared(first_desc, [b, h, rows, 0], bar, first_bufs.index(i))
+        tma_load(first_desc, [b, h, rows, 0], bar, first_bufs.index(i))
         if SECOND:
-            tma.async_copy_global_to_shared(second_desc, [b, h, rows, 0], bar, second_bufs.index(i))
+            tma_load(second_desc, [b, h, rows, 0], bar, second_bufs.index(i))
         if THIRD:
-            tma.async_copy_global_to_shared(third_desc, [b, h, rows, 0], bar, third_bufs.index(i))
+            tma_load(third_desc, [b, h, rows, 0], bar, third_bufs.index(i))
         if FOURTH:
-            tma.async_copy_global_to_shared(fourth_desc, [b, h, rows, 0], bar, fourth_bufs.index(i))
+            tma_load(fourth_desc, [b, h, rows, 0], bar, fourth_bufs.index(i))
 
 
 @gluon.jit
@@ -729,7 +733,7 @@ def attention_bob_rows_pk_sm90_kernel(
     mbarrier.init(query_bar.index(0), count=1)
     q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
     mbarrier.expect(query_bar.index(0), q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [b, h, start_m, 0], query_bar.index(0), q_smem)
+    tma_load(q_desc, [b, h, start_m, 0], query_bar.index(0), q_smem)
     bars = _ring_barriers(STAGES)
     k_ring = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
 
