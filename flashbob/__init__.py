@@ -25,9 +25,9 @@ Supported
       warpgroup MMAs: its rows pass always, warp-specialized (two consumer warpgroups share the
       key tiles a producer warp loads), its columns pass at head dim 64 (warp-specialized under a
       full mask), where each is faster (flashbob.hopper; FLASHBOB_SM90=1 runs both passes wherever
-      they can, =0 never); they are written for Triton 3.6's Gluon and compile with 3.6 to 3.8
-      (3.7 and 3.8 compiled only, not run): where a pass does not compile (Triton 3.9), one warning
-      and the portable kernels for the rest of the process. Each launcher records its launches on
+      they can, =0 never); they are written for Triton 3.6's Gluon and compile with 3.6 to 3.9
+      (3.7 to 3.9 compiled for sm_90 only, not run): where a pass does not compile (a later
+      Triton), one warning and the portable kernels for the rest of the process. Each launcher records its launches on
       its first call with an input layout and replays them after, checked against Triton's own
       launch path when recorded (flashbob.launch_plans; FLASHBOB_LAUNCH_PLANS=0 runs them as
       written every call);
