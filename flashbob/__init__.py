@@ -27,10 +27,10 @@ Supported
       full mask), where each is faster (flashbob.hopper; FLASHBOB_SM90=1 runs both passes wherever
       they can, =0 never); they are written for Triton 3.6's Gluon and compile with 3.6 to 3.9
       (3.7 to 3.9 compiled for sm_90 only, not run): where a pass does not compile (a later
-      Triton), one warning and the portable kernels for the rest of the process. Each launcher records its launches on
-      its first call with an input layout and replays them after, checked against Triton's own
-      launch path when recorded (flashbob.launch_plans; FLASHBOB_LAUNCH_PLANS=0 runs them as
-      written every call);
+      Triton), one warning and the portable kernels for the rest of the process. Each launcher
+      records its launches on its first call with an input layout and replays them after, checked
+      against Triton's own launch path when recorded (flashbob.launch_plans;
+      FLASHBOB_LAUNCH_PLANS=0 runs them as written every call);
     * derivatives: first and second order. The second (backward-over-backward) runs the FlashBoB
       kernels: exact, O(N) extra memory, no N x N tensor. A third derivative raises an error on the
       Triton path (use backend="torch");

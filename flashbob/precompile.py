@@ -164,10 +164,11 @@ class CompileAhead(_async_compile.AsyncCompileMode):
     """Triton's AsyncCompileMode (while active, `JITFunction.warmup` submits each compile to the
     executor; on exit it waits for them and puts each compiled kernel in its JITFunction's cache),
     whose compiles also build the kernel's C launcher, so that its first launch finds it in
-    Triton's on-disk cache."""
+    Triton's on-disk cache. Whatever else Triton hands submit (finalize_fn; since 3.9 also cleanup_fn,
+    which drops a failed compile's placeholder) goes through unchanged."""
 
-    def submit(self, key, compile_fn, finalize_fn):
-        return super().submit(key, lambda: _with_launcher(compile_fn()), finalize_fn)
+    def submit(self, key, compile_fn, *finish):
+        return super().submit(key, lambda: _with_launcher(compile_fn()), *finish)
 
 
 def _with_launcher(kernel):

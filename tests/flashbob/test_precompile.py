@@ -146,9 +146,12 @@ def test_nothing_compiles_ahead_on_the_cpu_or_in_the_interpreter(log, monkeypatc
 
 def test_triton_async_compile_mode_behaves_as_relied_on():
     """AsyncCompileMode (triton/runtime/_async_compile.py, private in Triton 3.6): while active it is
-    `active_mode`; submit(key, compile_fn, finalize_fn) runs compile_fn on the executor, once per
-    key; on exit it waits for every compile and calls finalize_fn with its result."""
-    finalized, threads = [], []
+    `active_mode`; submit(key, compile_fn, finalize_fn[, cleanup_fn: Triton 3.9]) runs compile_fn on
+    the executor, once per key; on exit it waits for every compile and calls finalize_fn with its
+    result (and cleanup_fn with the failed ones' futures)."""
+    finalized, threads, cleaned = [], [], []
+    takes_cleanup = "cleanup_fn" in inspect.signature(_async_compile.AsyncCompileMode.submit).parameters
+    finish = (finalized.append, cleaned.append) if takes_cleanup else (finalized.append,)
 
     def compile_fn(value):
         threads.append(threading.current_thread().name)
@@ -157,15 +160,16 @@ def test_triton_async_compile_mode_behaves_as_relied_on():
     with concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="pin") as pool:
         with _async_compile.AsyncCompileMode(pool, ignore_errors=True) as mode:
             assert _async_compile.active_mode.get() is mode
-            first = mode.submit("a", lambda: compile_fn(1), finalized.append)
-            assert mode.submit("a", lambda: compile_fn(2), finalized.append) is first
-            mode.submit("b", lambda: compile_fn(3), finalized.append)
-            mode.submit("c", lambda: 1 / 0, finalized.append)  # ignored: the launch compiles it again
+            first = mode.submit("a", lambda: compile_fn(1), *finish)
+            assert mode.submit("a", lambda: compile_fn(2), *finish) is first
+            mode.submit("b", lambda: compile_fn(3), *finish)
+            failed = mode.submit("c", lambda: 1 / 0, *finish)  # ignored: the launch compiles it again
             with pytest.raises(RuntimeError), _async_compile.AsyncCompileMode(pool):
                 pass
         assert _async_compile.active_mode.get() is None
     assert sorted(finalized) == [1, 3] and all(t.startswith("pin") for t in threads)
     assert first.result() == 1
+    assert cleaned == ([failed] if takes_cleanup else [])
 
 
 def test_triton_launch_path_is_the_one_relied_on():
