@@ -92,3 +92,22 @@ def test_two_nodes_started_by_torchrun_reach_the_parameters_of_one_process(strat
     for node in nodes:
         assert node.returncode == 0, tails
     assert_same_state(tmp_path / "runs" / name, one)
+
+
+
+def test_a_run_that_ends_releases_its_process_group(tmp_path):
+    """`python -m ttt.train` destroys the process group when its run returns (left to the interpreter's
+    exit, gloo's threads can abort the process); a group made before the run stands in for Lightning's."""
+    import torch.distributed as dist
+
+    from ttt.train import main, release_process_group
+
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{tmp_path / 'group'}")
+    try:
+        assert main(["recipe=maml_sinusoid", *COMMON,
+                     f"run.root={tmp_path / 'runs'}", "run.name=run"]) == 0
+        assert not dist.is_initialized()
+        release_process_group()  # none left: nothing to do
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
