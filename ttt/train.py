@@ -487,8 +487,8 @@ def release_process_group() -> None:
     """Destroy the process group of a run of several processes (Lightning created it) once the run has
     ended normally in this process. Left to the interpreter's exit, gloo's worker threads can abort a
     process during finalization ("terminate called without an active exception": pytorch/pytorch issue
-    190489), which failed a 2-process CPU run of this suite once. Not after a failure: another process
-    may still be in a collective. A later run in the same process creates the group again."""
+    190489). Not after a failure: another process may still be in a collective. A later run in the same
+    process creates the group again."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

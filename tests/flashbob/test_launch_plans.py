@@ -47,12 +47,10 @@ def replays(cases: list[dict], tmp_path) -> list[dict]:
 
 
 def _flat(args: list) -> list:
-    """A launch's canonical arguments, with the nested lists of newer Tritons' argument tuples opened."""
-    out = []
-    for a in args:
-        nested = isinstance(a, list) and a and isinstance(a[0], list)
-        out += _flat(a) if nested else [a] if isinstance(a, list) else []
-    return out
+    """A launch's canonical arguments (lists headed by their kind), with the argument tuples that newer
+    Tritons nest opened."""
+    return [leaf for a in args if isinstance(a, list)
+            for leaf in (_flat(a) if a and isinstance(a[0], list) else [a])]
 
 
 @pytest.mark.skipif(not NVIDIA_TOOLS, reason="Triton's NVIDIA backend tools are not installed")

@@ -94,7 +94,6 @@ def test_two_nodes_started_by_torchrun_reach_the_parameters_of_one_process(strat
     assert_same_state(tmp_path / "runs" / name, one)
 
 
-
 def test_a_run_that_ends_releases_its_process_group(tmp_path):
     """`python -m ttt.train` destroys the process group when its run returns (left to the interpreter's
     exit, gloo's threads can abort the process); a group made before the run stands in for Lightning's."""
