@@ -75,7 +75,8 @@ class SuffixBlock(nn.Module):
         """Attention of the chunk x (B, C, d) over the cache and itself; cos, sin (C, head_dim) are the
         RoPE tables of the chunk's absolute positions. Returns ((B, C, d), the cache for the next chunk).
         A `PrefixCache` (given, or made for a block with shares_prefix under full attention) grows in its
-        buffer; a pair of tensors is extended by concatenation and cut to the `kept_keys` most recent."""
+        buffer; a pair of tensors is extended by concatenation and cut to the `kept_keys` most recent (a view,
+        copied when more was cut than kept, so that the cache of a long read does not hold all of it)."""
         q, k, v = self.attn.project_qkv(x, cos, sin)
         if isinstance(cache, PrefixCache) or (self.shares_prefix and self.kept_keys() is None):
             cache = (PrefixCache.reserve(0) if cache is None else cache).extend(k, v)
@@ -86,7 +87,10 @@ class SuffixBlock(nn.Module):
         out = attention(q, k, v, backend=self.cfg.attention, causal=True, window=self.cfg.window)
         keep = self.kept_keys()
         first = 0 if keep is None else max(0, k.shape[2] - keep)
-        return self.attn.project_out(out), (k[:, :, first:], v[:, :, first:])
+        k, v = k[:, :, first:], v[:, :, first:]
+        if keep is not None and first > keep:  # a long read: a view would hold all of it
+            k, v = k.clone(), v.clone()
+        return self.attn.project_out(out), (k, v)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache = None):
         """One chunk: x (B, C, d_model) -> ((B, C, d_model), the key/value cache for the next chunk)."""

@@ -93,18 +93,26 @@ def test_without_test_time_training_it_is_the_plain_model(window):
     assert (adapted - logits).abs().max() > 1e-3
 
 
+def state_bytes(state):
+    """Bytes of the storage behind the decode state's tensors (a view counts the whole of its base)."""
+    tensors = [t for cache in state.prefix_caches + state.caches for t in cache]
+    tensors += [state.chunk_inputs, state.chunk_tokens, *state.carry[0].values()]
+    return sum(t.untyped_storage().nbytes() for t in tensors)
+
+
 def test_decoding_holds_the_same_memory_at_any_context_length():
     _, model = make(window=3)
     state, logits = prefill(model, prompts(6))
     logits, sizes = logits[:, -1], []
     for _ in range(4 * CHUNK):
-        state_tensors = [t for cache in state.prefix_caches + state.caches for t in cache]
-        state_tensors += [state.chunk_inputs, state.chunk_tokens, *state.carry[0].values()]
-        sizes.append(sum(t.numel() for t in state_tensors))
+        sizes.append(state_bytes(state))
         logits = decode_step(state, logits.argmax(-1))
         assert all(t.shape[2] <= 2 for cache in state.prefix_caches + state.caches for t in cache)
         assert not logits.requires_grad and logits.grad_fn is None
-    assert len(set(sizes)) == 1 and state.position == 6 + 4 * CHUNK
+    # after the prefill's last read (at most a chunk's keys more), the same at every step
+    assert len(set(sizes[1:])) == 1 and sizes[0] >= sizes[1] and state.position == 6 + 4 * CHUNK
+    # the caches of a long prompt hold the window, not the prompt's keys and values
+    assert state_bytes(prefill(model, prompts(6 + 40 * CHUNK))[0]) == state_bytes(prefill(model, prompts(6))[0])
 
 
 def test_generate_streams_the_greedy_tokens_and_samples_reproducibly():
