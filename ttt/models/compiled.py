@@ -9,6 +9,7 @@ graph, so it needs no derivative of its own (compiled graphs are not twice diffe
 
 from __future__ import annotations
 
+import types
 import warnings
 from collections.abc import Callable
 
@@ -23,11 +24,16 @@ class CompiledOnCuda:
     call on (`torch._dynamo.maybe_mark_dynamic`), so a new batch size or chunk length never recompiles
     and the last (feature) dim stays a constant the kernel is specialised for. Without it torch.compile's
     default applies: a dim is compiled for its first size and made dynamic when it first changes (one
-    recompile)."""
+    recompile).
+
+    Each variant of the arguments (`variant`: the tensors' dtypes, ranks and dims of size 1, the other
+    arguments' values) is compiled from its own copy of fn's code: torch.compile's recompile limit (8
+    compiled versions of one code object, past which it runs fn uncompiled) then counts the recompiles of
+    one variant, not every dtype, rank and flag a model passes (a bf16 step reached it with three ops)."""
 
     def __init__(self, fn: Callable[..., object], owner: str, *, dynamic_rows: bool = False):
         self.fn, self.owner, self.dynamic_rows = fn, owner, dynamic_rows
-        self._compiled: Callable[..., object] | None = None
+        self._compiled: dict[tuple, Callable[..., object]] = {}
         self._failed = False
 
     def __call__(self, *args):
@@ -43,14 +49,35 @@ class CompiledOnCuda:
     def compiled(self, *args):
         """fn compiled by torch.compile, on tensors of any device, with no fallback (the tests run it on
         CPU tensors, where inductor's C++ backend compiles it)."""
-        if self._compiled is None:
-            self._compiled = torch.compile(self.fn, dynamic=None)
+        key = variant(args)
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            compiled = self._compiled[key] = torch.compile(_own_code(self.fn), dynamic=None)
         # Detached: the arithmetic is compiled once, not once more for every combination of its inputs'
-        # requires_grad flags (guarded by torch.compile; eight variants exhaust its recompile limit).
+        # requires_grad flags (guarded by torch.compile).
         args = tuple(arg.detach() if isinstance(arg, torch.Tensor) else arg for arg in args)
         if self.dynamic_rows:
             for arg in args:
                 if isinstance(arg, torch.Tensor):
                     for dim in range(arg.dim() - 1):
                         torch._dynamo.maybe_mark_dynamic(arg, dim)
-        return self._compiled(*args)
+        return compiled(*args)
+
+
+def variant(args: tuple) -> tuple:
+    """What torch.compile specialises a call on besides sizes: each tensor's dtype, device type, rank and
+    which of its dims have size 1 (those are never dynamic), each other argument's value."""
+    return tuple(
+        (arg.dtype, arg.device.type, tuple(size == 1 for size in arg.shape))
+        if isinstance(arg, torch.Tensor) else arg
+        for arg in args
+    )  # fmt: skip
+
+
+def _own_code(fn: Callable[..., object]) -> Callable[..., object]:
+    """fn with a copy of its code object: torch.compile keeps its compiled versions, and counts them
+    against its recompile limit, per code object."""
+    code = fn.__code__.replace()
+    copy = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__qualname__, copy.__doc__ = fn.__qualname__, fn.__doc__
+    return copy
