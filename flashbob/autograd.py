@@ -24,29 +24,7 @@ from __future__ import annotations
 import torch
 
 from . import precompile, triton_ops
-
-try:  # torch's own Function.apply uses both; without them, every apply is torch's
-    from torch._functorch.utils import unwrap_dead_wrappers as _unwrap_dead_wrappers
-
-    _transforms_active = torch._C._are_functorch_transforms_active
-except (ImportError, AttributeError):
-    _unwrap_dead_wrappers = _transforms_active = None
-
-
-class _Function(torch.autograd.Function):
-    """The base of every Function here. Its apply(*args) skips what torch's `Function.apply` adds on
-    each call of a Function with setup_context, binding the arguments to forward's signature
-    (`inspect.signature` every call: about 45 us of each apply on the CPU host model, `python -m
-    flashbob.bench host --stages second_order`), where no torch.func transform is active. Every
-    Function here is applied with all of its arguments, positionally, and has no defaults, so the
-    binding would change nothing. Under a transform (vmap, grad, jvp) torch's own apply runs; dead
-    functorch wrappers are unwrapped as torch's apply does."""
-
-    @classmethod
-    def apply(cls, *args):
-        if _transforms_active is None or _transforms_active():
-            return super().apply(*args)
-        return super(torch.autograd.Function, cls).apply(*_unwrap_dead_wrappers(args))
+from .function_apply import FastApplyFunction
 
 
 class _Options:
@@ -91,7 +69,7 @@ def _refuse_forward_mode(ctx, *tangents):
     raise NotImplementedError(FORWARD_MODE_ERROR)
 
 
-class AttentionFunction(_Function):
+class AttentionFunction(FastApplyFunction):
     """(q, k, v) -> (out, lse); its backward is `AttentionBackwardFunction`, its jvp (forward mode)
     `AttentionJvpFunction`."""
 
@@ -132,7 +110,7 @@ class AttentionFunction(_Function):
         return dq, dk, dv, None, None
 
 
-class AttentionBackwardFunction(_Function):
+class AttentionBackwardFunction(FastApplyFunction):
     """(q, k, v, out, lse, dout) -> (dq, dk, dv); its backward is the FlashBoB stage."""
 
     @staticmethod
@@ -164,7 +142,7 @@ class AttentionBackwardFunction(_Function):
         return grad_q, grad_k, grad_v, None, None, grad_dout, None, None
 
 
-class BobFunction(_Function):
+class BobFunction(FastApplyFunction):
     """The FlashBoB stage as a Function, so that a third derivative fails loudly, not silently."""
 
     @staticmethod
@@ -192,7 +170,7 @@ class BobFunction(_Function):
         )
 
 
-class AttentionJvpFunction(_Function):
+class AttentionJvpFunction(FastApplyFunction):
     """(q, k, v, t_q, t_k, t_v) -> (out, lse, t_out) by the fused forward-with-tangent kernel; any
     tangent may be None. Its backward differentiates t_out = J(q, k, v) t: with g the cotangent of
     t_out, <g, J t> = <J^T g, t>, so the gradient with respect to t is the first backward with

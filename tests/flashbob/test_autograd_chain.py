@@ -35,9 +35,10 @@ def test_double_backward_through_autograd(case):
 
 
 def test_outside_torch_func_transforms_apply_skips_torch_s_per_call_signature_binding(monkeypatch):
-    """The Functions' apply (flashbob.autograd._Function) bypasses torch's `Function.apply`, which binds
-    the arguments to forward's signature on every call, outside a transform, with the same second-order
-    results as torch's own apply; under torch.func.grad it takes torch's."""
+    """The Functions' apply (`flashbob.function_apply.FastApplyFunction`) bypasses torch's
+    `Function.apply`, which binds the arguments to forward's signature on every call, outside a
+    transform, with the same second-order results as torch's own apply; under torch.func.grad it
+    takes torch's."""
     from flashbob import autograd
 
     ours = (autograd.AttentionFunction, autograd.AttentionBackwardFunction, autograd.BobFunction)

@@ -73,6 +73,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from flashbob.function_apply import FastApplyFunction
+
 from .compiled import CompiledOnCuda
 
 
@@ -326,7 +328,7 @@ swiglu_vjp_jvp_math = CompiledOnCuda(_swiglu_vjp_jvp, _OWNER, dynamic_rows=True)
 rope_math = CompiledOnCuda(_rope, _OWNER, dynamic_rows=True)
 
 
-class _RMSNorm(torch.autograd.Function):
+class _RMSNorm(FastApplyFunction):
     """(x (..., n), w (n,) or (B, 1, n), eps) -> y; backward: `_RMSNormVJP`."""
 
     @staticmethod
@@ -351,7 +353,7 @@ class _RMSNorm(torch.autograd.Function):
         return rms_norm_jvp_math(x, w, x_t, w_t, ctx.eps)
 
 
-class _RMSNormVJP(torch.autograd.Function):
+class _RMSNormVJP(FastApplyFunction):
     """(x, w, g, eps) -> (dx, dw); its backward is the VJP of the VJP, once differentiable."""
 
     @staticmethod
@@ -379,7 +381,7 @@ class _RMSNormVJP(torch.autograd.Function):
         return rms_norm_vjp_jvp_math(x, w, g, x_t, w_t, g_t, ctx.eps)
 
 
-class _SwiGLU(torch.autograd.Function):
+class _SwiGLU(FastApplyFunction):
     """(a, b) -> silu(a) b; backward: `_SwiGLUVJP`."""
 
     @staticmethod
@@ -402,7 +404,7 @@ class _SwiGLU(torch.autograd.Function):
         return swiglu_jvp_math(a, b, a_t, b_t)
 
 
-class _SwiGLUVJP(torch.autograd.Function):
+class _SwiGLUVJP(FastApplyFunction):
     """(a, b, g) -> (da, db); its backward is the VJP of the VJP, once differentiable."""
 
     @staticmethod
@@ -429,7 +431,7 @@ class _SwiGLUVJP(torch.autograd.Function):
         return swiglu_vjp_jvp_math(a, b, g, a_t, b_t, g_t)
 
 
-class _Rope(torch.autograd.Function):
+class _Rope(FastApplyFunction):
     """(x, cos, sin, transposed) -> A x or A^T x; backward: the other one, differentiable again."""
 
     @staticmethod

@@ -262,3 +262,33 @@ def test_ttt_second_order_meta_gradient_is_unchanged_by_fused_ops():
         results.append([losses.detach(), *torch.autograd.grad(losses.mean(), list(model.parameters()))])
     for got, want in zip(*results):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_outside_torch_func_transforms_apply_skips_torch_s_per_call_binding(name, monkeypatch):
+    """The fused Functions (`FastApplyFunction`) do not go through torch's `Function.apply` outside a
+    transform, with the same values and first and second derivatives as torch's apply; under
+    torch.func.grad they take torch's."""
+    ours = (fused_ops._RMSNorm, fused_ops._RMSNormVJP, fused_ops._SwiGLU, fused_ops._SwiGLUVJP,
+            fused_ops._Rope)  # fmt: skip
+    torch_apply = torch.autograd.Function.apply.__func__
+    seen = []
+
+    def counted(cls, *args, **kwargs):
+        seen.append(cls)
+        return torch_apply(cls, *args, **kwargs)
+
+    fused_op, _, inputs = make_case(name, DOUBLE)
+    monkeypatch.setattr(torch.autograd.Function, "apply", classmethod(counted))
+    fast = _derivatives(fused_op, inputs, 3, _uses(name)[0])
+    assert not any(cls in ours for cls in seen)
+    for function in ours:
+        monkeypatch.setattr(function, "apply", classmethod(torch_apply))
+    for got, want in zip(fast, _derivatives(fused_op, inputs, 3, _uses(name)[0])):
+        assert torch.equal(got, want)
+    monkeypatch.undo()
+    seen.clear()
+    monkeypatch.setattr(torch.autograd.Function, "apply", classmethod(counted))
+    detached = [t.detach() for t in inputs]
+    torch.func.grad(lambda first, *rest: fused_op(first, *rest).square().sum())(*detached)
+    assert any(cls in ours for cls in seen)
