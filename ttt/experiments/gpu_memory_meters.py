@@ -29,6 +29,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from flashbob import function_apply
+
 
 class _Held:
     """What the graph stores instead of a saved tensor; its death tells the meter the node let go."""
@@ -100,10 +102,14 @@ class SavedTensorMeter:
         self._hooks.__exit__(*exc)
 
 
+_PASS_THROUGH = (__file__, function_apply.__file__)
+"""Frames never charged: this module's, and `FastApplyFunction.apply` (as torch's own apply is not)."""
+
+
 def _saving_code() -> str:
-    """"path:line function" of the innermost frame in ttt/ or flashbob/ outside this module."""
+    """"path:line function" of the innermost frame in ttt/ or flashbob/ outside `_PASS_THROUGH`."""
     for frame in reversed(traceback.extract_stack()):
-        if frame.filename == __file__:
+        if frame.filename in _PASS_THROUGH:
             continue
         for package in ("/ttt/", "/flashbob/"):
             if package in frame.filename:
