@@ -29,7 +29,7 @@ class CompiledOnCuda:
     Each variant of the arguments (`variant`: the tensors' dtypes, ranks and dims of size 1, the other
     arguments' values) is compiled from its own copy of fn's code: torch.compile's recompile limit (8
     compiled versions of one code object, past which it runs fn uncompiled) then counts the recompiles of
-    one variant, not every dtype, rank and flag a model passes (a bf16 step reached it with three ops)."""
+    one variant, not every dtype, rank and flag a model passes."""
 
     def __init__(self, fn: Callable[..., object], owner: str, *, dynamic_rows: bool = False):
         self.fn, self.owner, self.dynamic_rows = fn, owner, dynamic_rows
