@@ -3,7 +3,7 @@ same model with full attention: TTT-E2E's inference comparison.
 
     python -m ttt.experiments.generation recipe=ttt_e2e_125m [key=value ...] [--lengths 8192,32768,131072]
         [--decode-after 8192,131072] [--decode-tokens N] [--modes ttt,full] [--dtype bfloat16]
-        [--repeats 3] [--out rows.jsonl] [--tiny]
+        [--repeats 3] [--out rows.jsonl] [--graphs] [--tiny]
 
 Random weights and tokens: time and memory do not depend on their values. Modes:
     ttt    the recipe's model as configured: its sliding window, the inner steps of each chunk
@@ -23,6 +23,8 @@ A measurement that runs out of memory gives status "oom", a candidate that canno
 measured, so a run stopped early keeps what it measured; stderr names each measurement as it starts. A
 last line {"summary": ..., "best": ...} holds the goals' ratios (`goals`) and the fastest candidate of
 each (mode, measure, tokens).
+--graphs: decode with a `GraphedDecoder` (each token's pass one CUDA graph; sliding-window modes, so
+not full), the rows marked graphs=true.
 --tiny: a toy-size model of the recipe on the CPU in float32, lengths 48 and 96: it checks the logic,
 its times mean nothing.
 """
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import statistics
 import subprocess
@@ -44,6 +47,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from recipes import load_builder, load_config
 from ttt.layers import TTTTransformer
 from ttt.layers.generation import decode_step, prefill
+from ttt.layers.graphed_decode import GraphedDecoder
 
 from .json_lines import emit
 from .meta_step_probe import is_out_of_memory
@@ -130,19 +134,25 @@ def measure_prefill(model: TTTTransformer, length: int, repeats: int, device: to
             "peak_gib": allocated_gib(device, peak=True)}  # fmt: skip
 
 
-def measure_decode(model: TTTTransformer, context: int, steps: int, device: torch.device) -> dict:
-    """tokens_per_s of `steps` greedy decode steps after a prefill of context tokens, peak_gib during
-    them and state_gib, the memory the decode state holds beyond the weights."""
+def measure_decode(
+    model: TTTTransformer, context: int, steps: int, device: torch.device, graphs: bool = False
+) -> dict:
+    """tokens_per_s of `steps` greedy decode steps after a prefill of context tokens (graphs: by a
+    `GraphedDecoder`, its graph built before the timing), peak_gib during them and state_gib, the memory
+    the decode state holds beyond the weights."""
     weights = allocated_gib(device, peak=False)
     state, logits = prefill(model, prompt(context, model.cfg.vocab_size, device))
     state_gib = None if weights is None else allocated_gib(device, peak=False) - weights
-    reset_peak(device)
+    step = GraphedDecoder(state) if graphs else functools.partial(decode_step, state)
     token = logits[:, -1].argmax(-1)
+    if graphs:
+        token = step(token).argmax(-1)  # builds the graph once the caches are full
+    reset_peak(device)
 
     def decode() -> None:
         nonlocal token
         for _ in range(steps):
-            token = decode_step(state, token).argmax(-1)
+            token = step(token).argmax(-1)
 
     seconds = timed(decode, device)
     peak = allocated_gib(device, peak=True)
@@ -174,6 +184,7 @@ def run_mode(
             "mode": mode,
             "attention": name,
             "overrides": [o for o in mode_overrides if "recipe=" not in o],
+            "graphs": args.graphs,
         }
         held = sdpa_kernel([kernel]) if kernel is not None else contextlib.nullcontext()
         model = build_model(mode_overrides, args.dtype, device)
@@ -185,11 +196,11 @@ def run_mode(
                 print(f"{mode}/{name}: {measure} {tokens} tokens", file=sys.stderr, flush=True)
                 try:
                     if index == 0:  # warm-up: compilation, autotuning
-                        measure_decode(model, warm_up_length(model, args.lengths[0]), 2, device)
+                        measure_decode(model, warm_up_length(model, args.lengths[0]), 2, device, args.graphs)
                     if measure == "prefill":
                         row.update(status="ok", **measure_prefill(model, tokens, args.repeats, device))
                     else:
-                        row.update(status="ok", **measure_decode(model, tokens, steps, device))
+                        row.update(status="ok", **measure_decode(model, tokens, steps, device, args.graphs))
                 except Exception as err:  # noqa: BLE001 - each failure is a row; the next one runs
                     status = "oom" if is_out_of_memory(err) else "unsupported"
                     row.update(
@@ -281,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="timed prefills per length (median)")
     parser.add_argument("--out", help="append the JSON lines to this file")
     parser.add_argument("--tiny", action="store_true", help="a toy-size model on the CPU (tests the logic)")
+    parser.add_argument("--graphs", action="store_true", help="decode with a GraphedDecoder (window modes)")
     args = parser.parse_intermixed_args(argv)
     modes = args.modes.split(",")
     if [m for m in modes if m not in MODES] or args.repeats < 1 or (args.decode_tokens or 1) < 1:

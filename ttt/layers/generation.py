@@ -35,6 +35,7 @@ weights, whatever the context's length; the cost is one more forward of the suff
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
@@ -94,12 +95,17 @@ def _mask(targets: torch.Tensor, masked_target: int | None) -> torch.Tensor | No
     return None if masked_target is None else targets != masked_target
 
 
-def _read_prefix(state: DecodeState, tokens: torch.Tensor) -> Chunk:
-    """Embedding and prefix blocks on tokens (B, n) at positions state.position.., each block continuing
-    its cache (advanced in state). Returns the positions for the suffix: inputs (B, n, d_model), their
-    RoPE tables, targets (B, 0) (the caller sets them), no mask."""
-    start, end = state.position, state.position + tokens.shape[1]
-    cos, sin = state.model.rope_tables(end, tokens.device, start=start)
+def rope_tables(state: DecodeState, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (n, head_dim) of the next n positions, state.position.."""
+    return state.model.rope_tables(state.position + n, device, start=state.position)
+
+
+def _read_prefix(state: DecodeState, tokens: torch.Tensor, tables=None) -> Chunk:
+    """Embedding and prefix blocks on tokens (B, n) at positions state.position.. (their RoPE tables:
+    `tables`, default `rope_tables`), each block continuing its cache (advanced in state). Returns the
+    positions for the suffix: inputs (B, n, d_model), their RoPE tables, targets (B, 0) (the caller sets
+    them), no mask."""
+    cos, sin = tables or rope_tables(state, tokens.shape[1], tokens.device)
     hidden = state.model.embed(tokens)
     for i, block in enumerate(state.prefix):
         hidden, state.prefix_caches[i] = block(hidden, cos, sin, state.prefix_caches[i])
@@ -176,7 +182,7 @@ def prefill(
     return state, torch.cat(logits, dim=1)
 
 
-def _close_chunk(state: DecodeState, token: torch.Tensor) -> None:
+def close_chunk(state: DecodeState, token: torch.Tensor) -> None:
     """The open (full) chunk's inner steps, its last target token (B,) now known: the chunk read again
     from the suffix caches at its start by the reader's loop (`read_chunks`, as the chunked read reads
     it), its fast weights stepped; the next chunk opens at state.position."""
@@ -197,19 +203,40 @@ def decode_step(state: DecodeState, token: torch.Tensor) -> torch.Tensor:
     if token.shape != (batch,) or token.dtype != torch.long:
         raise ValueError(f"token must be a ({batch},) int64 tensor, one per sequence, got "
                          f"{tuple(token.shape)} {token.dtype}")  # fmt: skip
-    model, chunk_len = state.model, state.model.ttt_cfg.chunk_len
-    if state.chunk_inputs is not None and state.chunk_filled == chunk_len:
-        _close_chunk(state, token)
+    if chunk_is_full(state):
+        close_chunk(state, token)
+    inputs, logits = read_token(state, token, state.carry[0])
+    record_token(state, inputs, token)
+    return logits
+
+
+def chunk_is_full(state: DecodeState) -> bool:
+    """Whether the open chunk holds chunk_len positions (the next token closes it); False without inner
+    steps."""
+    return state.chunk_inputs is not None and state.chunk_filled == state.model.ttt_cfg.chunk_len
+
+
+def read_token(
+    state: DecodeState, token: torch.Tensor, fast: dict[str, torch.Tensor], tables=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """token (B,) at position state.position through the prefix blocks and, with the fast weights
+    `fast`, the suffix blocks and the head, each block's cache advanced in state; tables: its RoPE
+    tables (default `rope_tables`). Returns (the prefix's output (B, d_model), the logits (B, V));
+    state.position and the open chunk are left to `record_token`."""
     with torch.no_grad():
-        position = _read_prefix(state, token[:, None])
-        hidden, state.caches = model.read_suffix(state.carry[0], position, state.caches)
-        logits = model.head(hidden[:, -1])
+        position = _read_prefix(state, token[:, None], tables)
+        hidden, state.caches = state.model.read_suffix(fast, position, state.caches)
+        return position.inputs[:, 0], state.model.head(hidden[:, -1])
+
+
+def record_token(state: DecodeState, inputs: torch.Tensor, token: torch.Tensor) -> None:
+    """After `read_token`: the token (B,) and its prefix output inputs (B, d_model) join the open chunk;
+    the state moves to the next position."""
     if state.chunk_inputs is not None:
-        state.chunk_inputs[:, state.chunk_filled] = position.inputs[:, 0]
+        state.chunk_inputs[:, state.chunk_filled] = inputs
         state.chunk_tokens[:, state.chunk_filled] = token
         state.chunk_filled += 1
     state.position += 1
-    return logits
 
 
 def check_sampling(*, max_new_tokens: int, temperature: float, top_p: float) -> None:
@@ -251,10 +278,12 @@ def generate(
     masked_target: int | None = None,
     stop_token: int | None = None,
     on_chunk: Callable[[int], None] | None = None,
+    graphs: bool = False,
 ) -> Iterator[torch.Tensor]:
     """Continue the prompts tokens (B, P) by up to max_new_tokens tokens, yielding each as it is chosen,
     (B,) int64 (`sample` with a generator seeded by seed on tokens' device); stops early once every row
-    has produced stop_token. adapt, lr_scale, masked_target, on_chunk: as in `prefill`. Arguments are
+    has produced stop_token. adapt, lr_scale, masked_target, on_chunk: as in `prefill`; graphs: decode with
+    a `ttt.layers.graphed_decode.GraphedDecoder` (sliding-window models; CUDA graphs on CUDA). Arguments are
     checked when called (ValueError naming the bad one), the model runs as the tokens are drawn."""
     check_tokens(tokens)
     check_sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
@@ -264,6 +293,11 @@ def generate(
             model, tokens, adapt=adapt, lr_scale=lr_scale, masked_target=masked_target,
             capacity=tokens.shape[1] + max_new_tokens, on_chunk=on_chunk,
         )  # fmt: skip
+        step = functools.partial(decode_step, state)
+        if graphs:
+            from .graphed_decode import GraphedDecoder  # it builds on this module
+
+            step = GraphedDecoder(state)
         generator = torch.Generator(device=tokens.device).manual_seed(seed)
         logits, stopped = logits[:, -1], torch.zeros_like(tokens[:, 0], dtype=torch.bool)
         for drawn in range(1, max_new_tokens + 1):
@@ -273,6 +307,6 @@ def generate(
                 stopped |= token == stop_token
             if drawn == max_new_tokens or stopped.all():
                 return
-            logits = decode_step(state, token)
+            logits = step(token)
 
     return tokens_drawn()

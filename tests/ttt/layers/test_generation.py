@@ -10,6 +10,7 @@ import torch
 from ttt.inner import InnerLoopConfig
 from ttt.layers import TTTConfig, TTTTransformer
 from ttt.layers.generation import decode_step, generate, prefill, sample
+from ttt.layers.graphed_decode import GraphedDecoder
 from ttt.models import Transformer, TransformerConfig
 
 VOCAB, CHUNK = 23, 4
@@ -122,6 +123,7 @@ def test_generate_streams_the_greedy_tokens_and_samples_reproducibly():
     greedy = torch.stack(list(generate(model, prompt, 9)), dim=1)
     _, logits = decode_greedily(model, prompt, 8)
     assert torch.equal(greedy, logits[:, 6:].argmax(-1))
+    assert torch.equal(torch.stack(list(generate(model, prompt, 9, graphs=True)), dim=1), greedy)
     drawn = [torch.stack(list(generate(model, prompt, 6, temperature=1.3, seed=s)), 1) for s in (5, 5, 6)]
     assert torch.equal(drawn[0], drawn[1]) and not torch.equal(drawn[0], drawn[2])
     nucleus = torch.stack(list(generate(model, prompt, 6, temperature=1.3, top_p=1e-9, seed=5)), 1)
@@ -174,3 +176,48 @@ def test_a_token_of_the_wrong_shape_or_a_model_without_fast_weights_is_refused()
         decode_step(state, torch.zeros(3, dtype=torch.long))
     with pytest.raises(TypeError, match="TTTTransformer, got Transformer"):
         prefill(base, prompts(3))
+
+GRAPHED_CASES = {
+    # id: (window, prompt length, adapt)
+    "window3<chunk": (3, 7, True),
+    "window9>chunk": (9, 12, True),
+    "prompt-shorter-than-window": (9, 3, True),
+    "without-ttt": (5, 6, False),
+}
+
+
+def both_ways(model, prompt, steps, adapt, **decoder_options):
+    """Greedy logits (B, steps, V) of decode_step and of a GraphedDecoder, each from its own prefill."""
+    eager_state, logits = prefill(model, prompt, adapt=adapt)
+    graphed_state, _ = prefill(model, prompt, adapt=adapt)
+    decoder = GraphedDecoder(graphed_state, **decoder_options)
+    eager, graphed, token = [], [], logits[:, -1].argmax(-1)
+    for _ in range(steps):
+        eager.append(decode_step(eager_state, token))
+        graphed.append(decoder(token))
+        token = eager[-1].argmax(-1)
+    assert graphed_state.position == eager_state.position
+    return torch.stack(eager, 1), torch.stack(graphed, 1)
+
+
+@pytest.mark.parametrize("case", GRAPHED_CASES.values(), ids=GRAPHED_CASES.keys())
+def test_the_graphed_decoders_pass_on_static_buffers_gives_decode_steps_logits(case):
+    window, length, adapt = case
+    _, model = make(window=window)
+    eager, graphed = both_ways(model, prompts(length), 4 * CHUNK + 3, adapt, capture=False)  # 4 closes
+    torch.testing.assert_close(graphed, eager, rtol=0, atol=1e-12)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA graph needs a GPU")
+def test_the_captured_graph_gives_decode_steps_logits_on_cuda():
+    _, model = make(window=5, attention="flashbob", dtype=torch.float32)
+    model = model.cuda()
+    eager, graphed = both_ways(model, prompts(9).cuda(), 4 * CHUNK + 3, True)
+    torch.testing.assert_close(graphed, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_full_attention_is_refused():
+    _, model = make(window=None)
+    state, _ = prefill(model, prompts(5))
+    with pytest.raises(ValueError, match="sliding-window"):
+        GraphedDecoder(state)
