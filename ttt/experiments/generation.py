@@ -23,8 +23,9 @@ A measurement that runs out of memory gives status "oom", a candidate that canno
 measured, so a run stopped early keeps what it measured; stderr names each measurement as it starts. A
 last line {"summary": ..., "best": ...} holds the goals' ratios (`goals`) and the fastest candidate of
 each (mode, measure, tokens).
---graphs: decode with a `GraphedDecoder` (each token's pass one CUDA graph; sliding-window modes, so
-not full), the rows marked graphs=true.
+--graphs: prefill with `prefill(graphs=True)` (each chunk's step one CUDA graph) and decode with a
+`GraphedDecoder` (each token's pass one CUDA graph); sliding-window modes only (not full); the rows
+are marked graphs=true.
 --tiny: a toy-size model of the recipe on the CPU in float32, lengths 48 and 96: it checks the logic,
 its times mean nothing.
 """
@@ -47,7 +48,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from recipes import load_builder, load_config
 from ttt.layers import TTTTransformer
 from ttt.layers.generation import decode_step, prefill
-from ttt.layers.graphed_decode import GraphedDecoder
+from ttt.layers.graphed import GraphedDecoder
 
 from .json_lines import emit
 from .meta_step_probe import is_out_of_memory
@@ -123,13 +124,16 @@ def prompt(length: int, vocab: int, device: torch.device) -> torch.Tensor:
     return torch.randint(0, vocab, (1, length), generator=generator).to(device)
 
 
-def measure_prefill(model: TTTTransformer, length: int, repeats: int, device: torch.device) -> dict:
-    """ms_per_1k_tokens (median of repeats) and peak_gib of prefilling a random prompt of length tokens."""
+def measure_prefill(
+    model: TTTTransformer, length: int, repeats: int, device: torch.device, graphs: bool = False
+) -> dict:
+    """ms_per_1k_tokens (median of repeats) and peak_gib of prefilling a random prompt of length tokens
+    (graphs: `prefill(graphs=True)`, each prefill capturing its own chunk step's graph)."""
     tokens = prompt(length, model.cfg.vocab_size, device)
     seconds = []
     reset_peak(device)
     for _ in range(repeats):
-        seconds.append(timed(lambda: prefill(model, tokens), device))
+        seconds.append(timed(lambda: prefill(model, tokens, graphs=graphs), device))
     return {"ms_per_1k_tokens": statistics.median(seconds) * 1e6 / length,
             "peak_gib": allocated_gib(device, peak=True)}  # fmt: skip
 
@@ -141,7 +145,7 @@ def measure_decode(
     `GraphedDecoder`, its graph built before the timing), peak_gib during them and state_gib, the memory
     the decode state holds beyond the weights."""
     weights = allocated_gib(device, peak=False)
-    state, logits = prefill(model, prompt(context, model.cfg.vocab_size, device))
+    state, logits = prefill(model, prompt(context, model.cfg.vocab_size, device), graphs=graphs)
     state_gib = None if weights is None else allocated_gib(device, peak=False) - weights
     step = GraphedDecoder(state) if graphs else functools.partial(decode_step, state)
     token = logits[:, -1].argmax(-1)
@@ -198,7 +202,8 @@ def run_mode(
                     if index == 0:  # warm-up: compilation, autotuning
                         measure_decode(model, warm_up_length(model, args.lengths[0]), 2, device, args.graphs)
                     if measure == "prefill":
-                        row.update(status="ok", **measure_prefill(model, tokens, args.repeats, device))
+                        measured = measure_prefill(model, tokens, args.repeats, device, args.graphs)
+                        row.update(status="ok", **measured)
                     else:
                         row.update(status="ok", **measure_decode(model, tokens, steps, device, args.graphs))
                 except Exception as err:  # noqa: BLE001 - each failure is a row; the next one runs
@@ -292,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="timed prefills per length (median)")
     parser.add_argument("--out", help="append the JSON lines to this file")
     parser.add_argument("--tiny", action="store_true", help="a toy-size model on the CPU (tests the logic)")
-    parser.add_argument("--graphs", action="store_true", help="decode with a GraphedDecoder (window modes)")
+    parser.add_argument("--graphs", action="store_true", help="CUDA graphs (ttt.layers.graphed)")
     args = parser.parse_intermixed_args(argv)
     modes = args.modes.split(",")
     if [m for m in modes if m not in MODES] or args.repeats < 1 or (args.decode_tokens or 1) < 1:

@@ -76,6 +76,9 @@ class DecodeState:
     """(B, chunk_len) int64: the open chunk's tokens, its first `chunk_filled` written."""
     chunk_filled: int = 0
     """Positions of the open chunk read so far."""
+    chunk_step: Callable | None = None
+    """What closes a chunk: step(carry, caches, chunk) -> (caches, carry) after it (a
+    `ttt.layers.graphed.GraphedChunkStep` after prefill(graphs=True)); None: the reader's `read_chunks`."""
 
     @property
     def batch(self) -> int:
@@ -122,6 +125,7 @@ def prefill(
     all_logits: bool = False,
     capacity: int | None = None,
     on_chunk: Callable[[int], None] | None = None,
+    graphs: bool = False,
 ) -> tuple[DecodeState, torch.Tensor]:
     """Read the prompts, tokens (B, P) int64 (module docstring). Returns (the decode state, the logits
     (B, P, V) of every position with all_logits, else (B, 1, V) of the last).
@@ -130,7 +134,9 @@ def prefill(
     lr_scale: factor on the inner learning rates (1.0: as at evaluation after the warm-up); masked_target:
     targets equal to it are left out of the inner loss (TTT-E2E's BOS under data.packing=stream);
     capacity: positions the full-attention caches reserve room for (default P; they double when full);
-    on_chunk: called with the number of positions of each chunk once read (a progress bar; P in all).
+    on_chunk: called with the number of positions of each chunk once read (a progress bar; P in all);
+    graphs: the closed chunks, and later the decoding's closes, by a `ttt.layers.graphed.GraphedChunkStep`
+    (sliding-window models; a CUDA graph on CUDA; not with all_logits).
     Runs in grad mode also inside torch.no_grad (the inner steps need gradients) but not under
     torch.inference_mode; keeps no outer graph."""
     check_tokens(tokens)
@@ -158,7 +164,18 @@ def prefill(
     chunk_len = model.ttt_cfg.chunk_len
     closed = (length - 1) // chunk_len * chunk_len if options.steps else 0
     logits = []
-    if closed:
+    if graphs and options.steps:
+        if all_logits:
+            raise ValueError("prefill's graphs keep no logits of the closed chunks: all_logits must be False")
+        from .graphed import GraphedChunkStep  # it builds on this module
+
+        state.chunk_step = GraphedChunkStep(model, options)
+        for start in range(0, closed, chunk_len):
+            part = whole.part(start, start + chunk_len)
+            state.caches, state.carry = state.chunk_step(state.carry, state.caches, part)
+            if on_chunk is not None:
+                on_chunk(len(part))
+    elif closed:
         with torch.enable_grad():
             closed_logits, _, state.caches, state.carry = model.read_chunks(
                 state.carry, state.caches, whole.part(0, closed),
@@ -190,8 +207,11 @@ def close_chunk(state: DecodeState, token: torch.Tensor) -> None:
     targets = torch.cat([state.chunk_tokens[:, 1:], token[:, None]], dim=1)
     cos, sin = model.rope_tables(state.position, token.device, start=state.position - chunk_len)
     chunk = Chunk(state.chunk_inputs, targets, cos, sin, _mask(targets, state.masked_target), last=False)
-    with torch.enable_grad():
-        _, _, _, state.carry = model.read_chunks(state.carry, state.chunk_caches, chunk, state.options)
+    if state.chunk_step is not None:
+        _, state.carry = state.chunk_step(state.carry, state.chunk_caches, chunk)
+    else:
+        with torch.enable_grad():
+            _, _, _, state.carry = model.read_chunks(state.carry, state.chunk_caches, chunk, state.options)
     state.chunk_caches, state.chunk_filled = state.caches, 0
 
 
@@ -282,8 +302,9 @@ def generate(
 ) -> Iterator[torch.Tensor]:
     """Continue the prompts tokens (B, P) by up to max_new_tokens tokens, yielding each as it is chosen,
     (B,) int64 (`sample` with a generator seeded by seed on tokens' device); stops early once every row
-    has produced stop_token. adapt, lr_scale, masked_target, on_chunk: as in `prefill`; graphs: decode with
-    a `ttt.layers.graphed_decode.GraphedDecoder` (sliding-window models; CUDA graphs on CUDA). Arguments are
+    has produced stop_token. adapt, lr_scale, masked_target, on_chunk: as in `prefill`; graphs: prefill
+    with graphs and decode with a `ttt.layers.graphed.GraphedDecoder` (sliding-window models; CUDA graphs
+    on CUDA). Arguments are
     checked when called (ValueError naming the bad one), the model runs as the tokens are drawn."""
     check_tokens(tokens)
     check_sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
@@ -291,11 +312,11 @@ def generate(
     def tokens_drawn() -> Iterator[torch.Tensor]:
         state, logits = prefill(
             model, tokens, adapt=adapt, lr_scale=lr_scale, masked_target=masked_target,
-            capacity=tokens.shape[1] + max_new_tokens, on_chunk=on_chunk,
+            capacity=tokens.shape[1] + max_new_tokens, on_chunk=on_chunk, graphs=graphs,
         )  # fmt: skip
         step = functools.partial(decode_step, state)
         if graphs:
-            from .graphed_decode import GraphedDecoder  # it builds on this module
+            from .graphed import GraphedDecoder  # it builds on this module
 
             step = GraphedDecoder(state)
         generator = torch.Generator(device=tokens.device).manual_seed(seed)

@@ -2,7 +2,8 @@
 the logits of one chunked read of the prompt and the tokens decoded at every position, and its greedy
 tokens; sliding windows shorter and longer than a chunk, full attention, GQA, QK-norm and post-norms,
 several inner steps, a masked target; without test-time training, the plain model. Then sampling,
-memory that stays flat, and the errors."""
+memory that stays flat, the errors, and the graphed prefill and decoding (`ttt.layers.graphed`): the
+eager logits, from static buffers (CPU) and from captured CUDA graphs (GPU)."""
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ import torch
 from ttt.inner import InnerLoopConfig
 from ttt.layers import TTTConfig, TTTTransformer
 from ttt.layers.generation import decode_step, generate, prefill, sample
-from ttt.layers.graphed_decode import GraphedDecoder
+from ttt.layers.graphed import GraphedDecoder
 from ttt.models import Transformer, TransformerConfig
 
 VOCAB, CHUNK = 23, 4
@@ -183,13 +184,16 @@ GRAPHED_CASES = {
     "window9>chunk": (9, 12, True),
     "prompt-shorter-than-window": (9, 3, True),
     "without-ttt": (5, 6, False),
+    "prompt-of-7-chunks": (3, 30, True),  # 6 of its chunks by the graphed chunk step
 }
 
 
 def both_ways(model, prompt, steps, adapt, **decoder_options):
-    """Greedy logits (B, steps, V) of decode_step and of a GraphedDecoder, each from its own prefill."""
+    """Greedy logits (B, steps, V) of decode_step after prefill, and of a GraphedDecoder after
+    prefill(graphs=True) (whose logits must equal the eager prefill's)."""
     eager_state, logits = prefill(model, prompt, adapt=adapt)
-    graphed_state, _ = prefill(model, prompt, adapt=adapt)
+    graphed_state, graphed_logits = prefill(model, prompt, adapt=adapt, graphs=True)
+    torch.testing.assert_close(graphed_logits, logits, rtol=0, atol=1e-12)
     decoder = GraphedDecoder(graphed_state, **decoder_options)
     eager, graphed, token = [], [], logits[:, -1].argmax(-1)
     for _ in range(steps):
@@ -201,7 +205,7 @@ def both_ways(model, prompt, steps, adapt, **decoder_options):
 
 
 @pytest.mark.parametrize("case", GRAPHED_CASES.values(), ids=GRAPHED_CASES.keys())
-def test_the_graphed_decoders_pass_on_static_buffers_gives_decode_steps_logits(case):
+def test_graphed_prefill_and_decoding_on_static_buffers_give_the_eager_logits(case):
     window, length, adapt = case
     _, model = make(window=window)
     eager, graphed = both_ways(model, prompts(length), 4 * CHUNK + 3, adapt, capture=False)  # 4 closes
@@ -209,10 +213,10 @@ def test_the_graphed_decoders_pass_on_static_buffers_gives_decode_steps_logits(c
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA graph needs a GPU")
-def test_the_captured_graph_gives_decode_steps_logits_on_cuda():
+def test_the_captured_graphs_give_the_eager_logits_on_cuda():
     _, model = make(window=5, attention="flashbob", dtype=torch.float32)
     model = model.cuda()
-    eager, graphed = both_ways(model, prompts(9).cuda(), 4 * CHUNK + 3, True)
+    eager, graphed = both_ways(model, prompts(30).cuda(), 4 * CHUNK + 3, True)
     torch.testing.assert_close(graphed, eager, rtol=1e-5, atol=1e-5)
 
 
