@@ -98,15 +98,17 @@ class TextGenerator:
         seed: int = 0,
         adapt: bool = True,
         on_chunk: Callable[[int], None] | None = None,
+        graphs: bool = False,
     ) -> Iterator[str]:
         """The continuation of `prompt`, piece by piece as it is decoded (`TextStream`): up to
         max_new_tokens tokens, stopping at `bos`. temperature, top_p, seed, on_chunk: as in
-        `ttt.layers.generation.generate`; adapt=False reads without the inner steps."""
+        `ttt.layers.generation.generate`; adapt=False reads without the inner steps; graphs: CUDA graphs
+        of the prompt's chunks and of each token (`ttt.layers.graphed`; sliding-window models)."""
         tokens = self.encode(prompt)
         drawn = generate(
             self.model, tokens, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
             adapt=None if adapt else False, lr_scale=self.lr_scale, masked_target=self.bos,
-            stop_token=self.bos, on_chunk=on_chunk,
+            stop_token=self.bos, on_chunk=on_chunk, graphs=graphs,
         )  # fmt: skip
         text = TextStream(self.tokenizer)
         for token in drawn:
@@ -165,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampling (default 0)")
     parser.add_argument("--device", default="cpu", help="torch device to run on (default cpu)")
     parser.add_argument("--no-ttt", action="store_true", help="read without the inner steps")
+    parser.add_argument("--graphs", action="store_true", help="CUDA graphs (ttt.layers.graphed)")
     args = parser.parse_args(argv)
     try:
         check_sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p)
@@ -177,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
         prompt = read_prompt(args.prompt)
         generator = TextGenerator.load(args.run, device=check_device(args.device))
         tokens = generator.encode(prompt).shape[1]
+        if args.graphs and generator.model.cfg.window is None:
+            raise ValueError("--graphs needs a sliding-window model (model.window set); this run's model "
+                             "attends to every key")  # fmt: skip
     except (FileNotFoundError, CheckpointError, ConfigError, LookupError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -191,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
 
     pieces = generator.stream(
         prompt, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-        adapt=not args.no_ttt, on_chunk=on_chunk,
+        adapt=not args.no_ttt, on_chunk=on_chunk, graphs=args.graphs,
     )  # fmt: skip
     for piece in pieces:
         sys.stdout.write(piece)

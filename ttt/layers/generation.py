@@ -308,6 +308,9 @@ def generate(
     checked when called (ValueError naming the bad one), the model runs as the tokens are drawn."""
     check_tokens(tokens)
     check_sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
+    if graphs and model.cfg.window is None:
+        raise ValueError("graphs need a sliding-window model (model.window set): full attention's "
+                         "key/value caches grow with every token")  # fmt: skip
 
     def tokens_drawn() -> Iterator[torch.Tensor]:
         state, logits = prefill(

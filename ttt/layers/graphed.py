@@ -30,6 +30,7 @@ capture=False; the captured graphs on CUDA).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -121,7 +122,8 @@ def caches_full(blocks: list, caches: list) -> bool:
 
 def capture(body: Callable[[], None], buffers: list[torch.Tensor], device: torch.device) -> Callable:
     """body captured as a CUDA graph, returned as its replay: body runs once eagerly first on a side
-    stream (compilation, launch plans), the buffers it changes restored afterwards."""
+    stream (compilation, launch plans), the buffers it changes restored afterwards. If the capture fails
+    (an operation that a graph cannot hold), a warning and body itself: exact, only not replayed."""
     held = [buffer.clone() for buffer in buffers]
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
@@ -132,8 +134,12 @@ def capture(body: Callable[[], None], buffers: list[torch.Tensor], device: torch
         for buffer, before in zip(buffers, held):
             buffer.copy_(before)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        body()
+    try:
+        with torch.cuda.graph(graph):
+            body()
+    except RuntimeError as err:
+        warnings.warn(f"ttt.layers.graphed runs uncaptured: the capture failed ({err})", stacklevel=3)
+        return body
     return graph.replay
 
 

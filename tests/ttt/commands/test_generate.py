@@ -63,6 +63,9 @@ def test_the_command_streams_the_continuation_of_the_chunked_read(lm_run, prompt
     assert status == 0, err
     assert out == expected and len(out) > 0
     assert "".join(generator.stream(PROMPT, 40)) == expected
+    status, out, err = generate_command(capsys, lm_run, "--prompt", prompt_file, "--max-new-tokens", 40,
+                                        "--graphs")  # fmt: skip
+    assert status == 0 and out == expected, err
     without = "".join(generator.stream(PROMPT, 40, adapt=False))
     status, out, _ = generate_command(
         capsys, lm_run, "--prompt", prompt_file, "--max-new-tokens", 40, "--no-ttt"

@@ -225,3 +225,5 @@ def test_full_attention_is_refused():
     state, _ = prefill(model, prompts(5))
     with pytest.raises(ValueError, match="sliding-window"):
         GraphedDecoder(state)
+    with pytest.raises(ValueError, match="sliding-window"):
+        generate(model, prompts(5), 3, graphs=True)  # when called, before any token
