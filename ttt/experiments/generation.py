@@ -23,9 +23,9 @@ A measurement that runs out of memory gives status "oom", a candidate that canno
 measured, so a run stopped early keeps what it measured; stderr names each measurement as it starts. A
 last line {"summary": ..., "best": ...} holds the goals' ratios (`goals`) and the fastest candidate of
 each (mode, measure, tokens).
---graphs: prefill with `prefill(graphs=True)` (each chunk's step one CUDA graph) and decode with a
-`GraphedDecoder` (each token's pass one CUDA graph); sliding-window modes only (not full); the rows
-are marked graphs=true.
+--graphs: the sliding-window modes (ttt, swa) prefill with `prefill(graphs=True)` (each chunk's step
+one CUDA graph) and decode with a `GraphedDecoder` (each token's pass one CUDA graph); full attention,
+whose caches grow, runs as without it; each row says which (graphs).
 --tiny: a toy-size model of the recipe on the CPU in float32, lengths 48 and 96: it checks the logic,
 its times mean nothing.
 """
@@ -184,11 +184,12 @@ def run_mode(
         mode_overrides = [*overrides, *(item.format(model=section) for item in MODES[mode])]
         if backend is not None:
             mode_overrides.append(f"{section}.attention={backend}")
+        graphs = args.graphs and mode != "full"  # full attention's caches grow: no graphs
         base = {
             "mode": mode,
             "attention": name,
             "overrides": [o for o in mode_overrides if "recipe=" not in o],
-            "graphs": args.graphs,
+            "graphs": graphs,
         }
         held = sdpa_kernel([kernel]) if kernel is not None else contextlib.nullcontext()
         model = build_model(mode_overrides, args.dtype, device)
@@ -200,12 +201,12 @@ def run_mode(
                 print(f"{mode}/{name}: {measure} {tokens} tokens", file=sys.stderr, flush=True)
                 try:
                     if index == 0:  # warm-up: compilation, autotuning
-                        measure_decode(model, warm_up_length(model, args.lengths[0]), 2, device, args.graphs)
+                        measure_decode(model, warm_up_length(model, args.lengths[0]), 2, device, graphs)
                     if measure == "prefill":
-                        measured = measure_prefill(model, tokens, args.repeats, device, args.graphs)
+                        measured = measure_prefill(model, tokens, args.repeats, device, graphs)
                         row.update(status="ok", **measured)
                     else:
-                        row.update(status="ok", **measure_decode(model, tokens, steps, device, args.graphs))
+                        row.update(status="ok", **measure_decode(model, tokens, steps, device, graphs))
                 except Exception as err:  # noqa: BLE001 - each failure is a row; the next one runs
                     status = "oom" if is_out_of_memory(err) else "unsupported"
                     row.update(
