@@ -128,7 +128,8 @@ def measure_prefill(
     model: TTTTransformer, length: int, repeats: int, device: torch.device, graphs: bool = False
 ) -> dict:
     """ms_per_1k_tokens (median of repeats) and peak_gib of prefilling a random prompt of length tokens
-    (graphs: `prefill(graphs=True)`, each prefill capturing its own chunk step's graph)."""
+    (graphs: `prefill(graphs=True)`; the model keeps each chunk shape's graph from the warm-up prefill
+    and the repeats, so a timed prefill captures only the shapes no earlier one had)."""
     tokens = prompt(length, model.cfg.vocab_size, device)
     seconds = []
     reset_peak(device)

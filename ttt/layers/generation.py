@@ -167,9 +167,9 @@ def prefill(
     if graphs and options.steps:
         if all_logits:
             raise ValueError("prefill's graphs keep no logits of the closed chunks: all_logits must be False")
-        from .graphed import GraphedChunkStep  # it builds on this module
+        from .graphed import chunk_step_for  # it builds on this module
 
-        state.chunk_step = GraphedChunkStep(model, options)
+        state.chunk_step = chunk_step_for(model, options)
         for start in range(0, closed, chunk_len):
             part = whole.part(start, start + chunk_len)
             state.caches, state.carry = state.chunk_step(state.carry, state.caches, part)

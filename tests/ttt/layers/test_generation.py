@@ -11,7 +11,7 @@ import torch
 from ttt.inner import InnerLoopConfig
 from ttt.layers import TTTConfig, TTTTransformer
 from ttt.layers.generation import decode_step, generate, prefill, sample
-from ttt.layers.graphed import GraphedDecoder
+from ttt.layers.graphed import GraphedDecoder, chunk_step_for
 from ttt.models import Transformer, TransformerConfig
 
 VOCAB, CHUNK = 23, 4
@@ -212,10 +212,34 @@ def test_graphed_prefill_and_decoding_on_static_buffers_give_the_eager_logits(ca
     torch.testing.assert_close(graphed, eager, rtol=0, atol=1e-12)
 
 
+def test_the_chunk_step_keeps_a_shape_per_cache_length_for_the_models_later_reads():
+    _, model = make(window=9)  # caches of 0, 4 and 8 positions at a chunk's start
+    _, eager = prefill(model, prompts(30))
+    state, logits = prefill(model, prompts(30), graphs=True)
+    step = state.chunk_step
+    assert step.shapes == 3
+    state, again = prefill(model, prompts(30), graphs=True)
+    assert state.chunk_step is step and step.shapes == 3
+    torch.testing.assert_close(again, eager, rtol=0, atol=1e-12)
+    with torch.no_grad():  # a parameter moved to new memory: the shapes are built again, on its values
+        model.layers[2].attn.wv.weight = torch.nn.Parameter(model.layers[2].attn.wv.weight * 1.5)
+    _, eager = prefill(model, prompts(30))
+    state, moved = prefill(model, prompts(30), graphs=True)
+    assert step.shapes == 3
+    torch.testing.assert_close(moved, eager, rtol=0, atol=1e-12)
+    assert not torch.allclose(moved, again)
+    assert chunk_step_for(model, state.options) is step
+    assert chunk_step_for(model, state.options, capture=False) is not step
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA graph needs a GPU")
 def test_the_captured_graphs_give_the_eager_logits_on_cuda():
     _, model = make(window=5, attention="flashbob", dtype=torch.float32)
     model = model.cuda()
+    eager, graphed = both_ways(model, prompts(30).cuda(), 4 * CHUNK + 3, True)
+    torch.testing.assert_close(graphed, eager, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():  # a parameter moved to new memory: the kept graphs must not read the old one
+        model.layers[2].attn.wv.weight = torch.nn.Parameter(model.layers[2].attn.wv.weight * 1.5)
     eager, graphed = both_ways(model, prompts(30).cuda(), 4 * CHUNK + 3, True)
     torch.testing.assert_close(graphed, eager, rtol=1e-5, atol=1e-5)
 
