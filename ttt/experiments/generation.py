@@ -12,8 +12,8 @@ Random weights and tokens: time and memory do not depend on their values. Modes:
            run by each candidate of FULL_ATTENTION (our forward kernel, torch SDPA held to its flash
            kernel, to its cuDNN kernel); the fastest candidate of each measurement is marked best
 Measurements, one JSON line each (and appended to --out):
-    prefill   `prefill` of a random prompt of `tokens` tokens, after one warm-up prefill of the first
-              length: ms_per_1k_tokens (the median of --repeats, CUDA synchronised), peak_gib
+    prefill   `prefill` of a random prompt of `tokens` tokens, after one warm-up prefill and decode
+              (`warm_up_length`: compilation, graphs): ms_per_1k_tokens (the median of --repeats, CUDA synchronised), peak_gib
               (max_memory_allocated during the prefill, the weights included)
     decode    --decode-tokens greedy `decode_step`s (default 2 x ttt.chunk_len: two chunks' inner steps)
               after a prefill of `tokens` tokens: tokens_per_s, peak_gib during the decoding, state_gib
@@ -128,8 +128,8 @@ def measure_prefill(
     model: TTTTransformer, length: int, repeats: int, device: torch.device, graphs: bool = False
 ) -> dict:
     """ms_per_1k_tokens (median of repeats) and peak_gib of prefilling a random prompt of length tokens
-    (graphs: `prefill(graphs=True)`; the model keeps each chunk shape's graph from the warm-up prefill
-    and the repeats, so a timed prefill captures only the shapes no earlier one had)."""
+    (graphs: `prefill(graphs=True)`, replaying the chunk shapes' graphs that the model keeps from the
+    warm-up)."""
     tokens = prompt(length, model.cfg.vocab_size, device)
     seconds = []
     reset_peak(device)
@@ -165,8 +165,11 @@ def measure_decode(
 
 
 def warm_up_length(model: TTTTransformer, length: int) -> int:
-    """length rounded up to whole chunks: a prompt whose first decode step takes a chunk's inner steps."""
+    """The warm-up prompt's length: length, and at least the window and a chunk (so that every chunk
+    shape of a longer prompt occurs: the graphed chunk step captures them all), rounded up to whole
+    chunks (its first decode step takes a chunk's inner steps)."""
     chunk_len = model.ttt_cfg.chunk_len
+    length = max(length, (model.cfg.window or 0) + chunk_len)
     return -(-length // chunk_len) * chunk_len
 
 
@@ -201,7 +204,7 @@ def run_mode(
                 row = {**base, "measure": measure, "tokens": tokens}
                 print(f"{mode}/{name}: {measure} {tokens} tokens", file=sys.stderr, flush=True)
                 try:
-                    if index == 0:  # warm-up: compilation, autotuning
+                    if index == 0:  # warm-up: compilation, autotuning, the chunk step's graphs
                         measure_decode(model, warm_up_length(model, args.lengths[0]), 2, device, graphs)
                     if measure == "prefill":
                         measured = measure_prefill(model, tokens, args.repeats, device, graphs)
