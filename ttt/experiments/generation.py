@@ -13,7 +13,8 @@ Random weights and tokens: time and memory do not depend on their values. Modes:
            kernel, to its cuDNN kernel); the fastest candidate of each measurement is marked best
 Measurements, one JSON line each (and appended to --out):
     prefill   `prefill` of a random prompt of `tokens` tokens, after one warm-up prefill and decode
-              (`warm_up_length`: compilation, graphs): ms_per_1k_tokens (the median of --repeats, CUDA synchronised), peak_gib
+              (`warm_up_length`: compilation, graphs): ms_per_1k_tokens (the median of --repeats, CUDA
+              synchronised), peak_gib
               (max_memory_allocated during the prefill, the weights included)
     decode    --decode-tokens greedy `decode_step`s (default 2 x ttt.chunk_len: two chunks' inner steps)
               after a prefill of `tokens` tokens: tokens_per_s, peak_gib during the decoding, state_gib
