@@ -178,9 +178,9 @@ class GraphedChunkStep:
         if self._eager_only or len(chunk) != self.model.ttt_cfg.chunk_len:
             return self._eager(carry, caches, chunk)
         weights = tuple(p.data_ptr() for p in self.model.parameters())
-        if weights != self._weights:
+        if weights != self._weights:  # the old graphs go, and their pool with them
             self._replays.clear()
-            self._weights = weights
+            self._weights, self._pool = weights, None
         leaves, spec = tree_flatten((carry, caches, chunk))
         key = (spec, self.model.training, *map(_signature, leaves))
         replay = self._replays.get(key)
