@@ -166,11 +166,12 @@ def measure_decode(
 
 
 def warm_up_length(model: TTTTransformer, length: int) -> int:
-    """The warm-up prompt's length: length, and at least the window and a chunk (so that every chunk
-    shape of a longer prompt occurs: the graphed chunk step captures them all), rounded up to whole
-    chunks (its first decode step takes a chunk's inner steps)."""
+    """The warm-up prompt's length: length, and at least the window and two chunks (so that it closes a
+    chunk whose caches hold the whole window: every chunk shape of a longer prompt occurs, and the
+    graphed chunk step captures them all), rounded up to whole chunks (its first decode step takes a
+    chunk's inner steps)."""
     chunk_len = model.ttt_cfg.chunk_len
-    length = max(length, (model.cfg.window or 0) + chunk_len)
+    length = max(length, (model.cfg.window or 0) + 2 * chunk_len)
     return -(-length // chunk_len) * chunk_len
 
 
