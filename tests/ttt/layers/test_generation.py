@@ -188,12 +188,12 @@ GRAPHED_CASES = {
 }
 
 
-def both_ways(model, prompt, steps, adapt, **decoder_options):
+def both_ways(model, prompt, steps, adapt, tol=1e-12, **decoder_options):
     """Greedy logits (B, steps, V) of decode_step after prefill, and of a GraphedDecoder after
-    prefill(graphs=True) (whose logits must equal the eager prefill's)."""
+    prefill(graphs=True) (whose logits must equal the eager prefill's within tol)."""
     eager_state, logits = prefill(model, prompt, adapt=adapt)
     graphed_state, graphed_logits = prefill(model, prompt, adapt=adapt, graphs=True)
-    torch.testing.assert_close(graphed_logits, logits, rtol=0, atol=1e-12)
+    torch.testing.assert_close(graphed_logits, logits, rtol=tol, atol=tol)
     decoder = GraphedDecoder(graphed_state, **decoder_options)
     eager, graphed, token = [], [], logits[:, -1].argmax(-1)
     for _ in range(steps):
@@ -233,14 +233,15 @@ def test_the_chunk_step_keeps_a_shape_per_cache_length_for_the_models_later_read
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA graph needs a GPU")
+@pytest.mark.filterwarnings("error:ttt.layers.graphed runs uncaptured")  # a fallback would hide the graphs
 def test_the_captured_graphs_give_the_eager_logits_on_cuda():
     _, model = make(window=5, attention="flashbob", dtype=torch.float32)
     model = model.cuda()
-    eager, graphed = both_ways(model, prompts(30).cuda(), 4 * CHUNK + 3, True)
+    eager, graphed = both_ways(model, prompts(30).cuda(), 4 * CHUNK + 3, True, tol=1e-5)
     torch.testing.assert_close(graphed, eager, rtol=1e-5, atol=1e-5)
     with torch.no_grad():  # a parameter moved to new memory: the kept graphs must not read the old one
         model.layers[2].attn.wv.weight = torch.nn.Parameter(model.layers[2].attn.wv.weight * 1.5)
-    eager, graphed = both_ways(model, prompts(30).cuda(), 4 * CHUNK + 3, True)
+    eager, graphed = both_ways(model, prompts(30).cuda(), 4 * CHUNK + 3, True, tol=1e-5)
     torch.testing.assert_close(graphed, eager, rtol=1e-5, atol=1e-5)
 
 
