@@ -66,8 +66,10 @@ CASES = [
     SplitCase(Case(1, 6, 2, 3, 1000, 80, causal=True), 2),
     # More splits than key tiles: the window's 24 keys are 2 tiles, the last splits empty.
     SplitCase(Case(1, 2, 2, 16, 63, 64, causal=True, window=9), 5),
-    # A window longer than M; 40 splits, more than the tiles and than the combine merges per step.
-    SplitCase(Case(1, 6, 2, 3, 37, 48, causal=True, window=100), 40),
+    # A window longer than M; 40 splits (32 of them not empty), more than the combine merges per step.
+    SplitCase(Case(1, 6, 2, 3, 1000, 48, causal=True, window=1500), 40),
+    # More splits than tiles on M = 37 (3 tiles).
+    SplitCase(Case(1, 2, 2, 1, 37, 48), 20),
     # Key ranges: a short one in a single split, and an empty one (out 0, lse -inf).
     SplitCase(Case(3, 4, 2, 1, 300, 80, causal=True), 5, ((0, 300), (120, 140), (50, 50)), empty_rows=True),
     # Left padding under a window: the first rows of batch row 0 see no key.
@@ -78,6 +80,7 @@ CASES = [
     SplitCase(Case(2, 2, 1, 3, 300, 48), 1, ((0, 300), (250, 300))),
 ]
 PARAMS = [pytest.param(sc, id=sc.id) for sc in CASES]
+GRADIENT_PARAMS = [PARAMS[0], PARAMS[3], PARAMS[6]]   # the rule's; more splits than tiles; an empty range
 
 
 class SplitSpy:
@@ -130,7 +133,7 @@ def test_split_forward_matches_float64(sc, spy):
     assert float((lse.double() - want)[~empty].abs().max()) <= TOL
 
 
-@pytest.mark.parametrize("sc", [PARAMS[0], PARAMS[3], PARAMS[5]])
+@pytest.mark.parametrize("sc", GRADIENT_PARAMS)
 def test_gradients_after_a_split_forward_match_float64(sc, spy):
     """The backward reads the split forward's out and lse."""
     q, k, v, dout = make_inputs(sc.case)[:4]
@@ -151,7 +154,8 @@ def test_gradients_after_a_split_forward_match_float64(sc, spy):
 
 def test_grad_of_grad_after_a_split_forward_matches_float64(spy):
     """The BoB reads the split forward's out and lse too."""
-    sc = CASES[5]
+    sc = CASES[6]
+    assert sc.empty_rows
     q, k, v, _, u_q, u_k, u_v = make_inputs(sc.case)
     mask, scale = explicit_mask(sc.range_case()), sc.case.d**-0.5
 
