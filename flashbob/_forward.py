@@ -60,16 +60,6 @@ def attend(q, k_base, v_base, skn, svn, start_m, offs_m, offs_d, lo, hi, N, M, O
     return acc, row_max, row_sum
 
 
-@triton.jit
-def finish_rows(acc, row_max, row_sum):
-    """(acc / row_sum, the rows' log-sum-exp in base 2) from `attend`'s results: 0 and -inf on the
-    rows that saw no visible key."""
-    empty = row_sum == 0.0
-    out = acc / tl.where(empty, 1.0, row_sum)[:, None]
-    lse_2 = tl.where(empty, float("-inf"), row_max + tl.log2(tl.where(empty, 1.0, row_sum)))
-    return out, lse_2
-
-
 @triton.jit(do_not_specialize=NO_SPECIALIZE, do_not_specialize_on_alignment=["GROUP"])
 def attention_forward_kernel(
     Q, K, V, Out, Lse,
@@ -79,7 +69,9 @@ def attention_forward_kernel(
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """One program: BLOCK_M query rows of one (batch, query head). Grid (cdiv(N, BLOCK_M), B * Hq)."""
+    """One program: BLOCK_M query rows of one (batch, query head). Grid (cdiv(N, BLOCK_M), B * Hq).
+    Its loop is `attend`; the statements around it keep their order from before that helper existed,
+    so it compiles to the same sm_90 code as then (SASS hash, `python -m flashbob.bench sm90`)."""
     pid_m = heaviest_first_row_block()
     pid_bh = tl.program_id(1)
     b = (pid_bh // HEADS_Q).to(tl.int64)
@@ -89,16 +81,21 @@ def attention_forward_kernel(
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
+    q_base = Q + b * sqb + h * sqh
+    k_base = K + b * skb + hk * skh
+    v_base = V + b * svb + hk * svh
 
-    q = load_tile(Q + b * sqb + h * sqh, offs_m, offs_d, sqn, N, HEAD_DIM)
+    q = load_tile(q_base, offs_m, offs_d, sqn, N, HEAD_DIM)
     lo, hi = key_range(start_m, M, OFFSET, WINDOW, KS, KE, CAUSAL, HAS_WINDOW, HAS_RANGE, BLOCK_M, BLOCK_N)
     acc, row_max, row_sum = attend(
-        q, K + b * skb + hk * skh, V + b * svb + hk * svh, skn, svn, start_m, offs_m, offs_d, lo, hi,
+        q, k_base, v_base, skn, svn, start_m, offs_m, offs_d, lo, hi,
         N, M, OFFSET, WINDOW, KS, KE, qk_scale_log2, CAUSAL, HAS_WINDOW, HAS_RANGE, HEAD_DIM, PRECISION,
         BLOCK_M, BLOCK_N, BLOCK_D)
-    out, lse_2 = finish_rows(acc, row_max, row_sum)
+    empty = row_sum == 0.0
+    out = acc / tl.where(empty, 1.0, row_sum)[:, None]
     store_tile(Out + b * sob + h * soh, out, offs_m, offs_d, son, N, HEAD_DIM)
-    lse = lse_2 * 0.6931471805599453  # natural log
+    lse_2 = row_max + tl.log2(tl.where(empty, 1.0, row_sum))
+    lse = tl.where(empty, float("-inf"), lse_2 * 0.6931471805599453)  # natural log
     tl.store(Lse + pid_bh.to(tl.int64) * N + offs_m, lse, mask=offs_m < N)
 
 
@@ -133,7 +130,9 @@ def attention_forward_split_kernel(
         q, K + b * skb + hk * skh, V + b * svb + hk * svh, skn, svn, start_m, offs_m, offs_d, lo, hi,
         N, M, OFFSET, WINDOW, KS, KE, qk_scale_log2, CAUSAL, HAS_WINDOW, HAS_RANGE, HEAD_DIM, PRECISION,
         BLOCK_M, BLOCK_N, BLOCK_D)
-    out, lse_2 = finish_rows(acc, row_max, row_sum)
+    empty = row_sum == 0.0
+    out = acc / tl.where(empty, 1.0, row_sum)[:, None]
+    lse_2 = tl.where(empty, float("-inf"), row_max + tl.log2(tl.where(empty, 1.0, row_sum)))
     first = pid_bh.to(tl.int64) * N * SPLITS + split   # (batch and head, row 0, split)
     store_tile(Part + first * HEAD_DIM, out, offs_m, offs_d, SPLITS * HEAD_DIM, N, HEAD_DIM)
     tl.store(PartLse + first + offs_m * SPLITS, lse_2, mask=offs_m < N)
