@@ -9,15 +9,15 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-NO_SPECIALIZE = ["N", "M", "HEADS_Q", "HEADS_KV", "OFFSET", "WINDOW"]
+NO_SPECIALIZE = ["N", "M", "HEADS_Q", "HEADS_KV", "OFFSET", "WINDOW", "SPLITS"]
 """Integer arguments the attention kernels must not specialize on: Triton would otherwise compile
 again whenever one of them changes its divisibility by 16 or becomes 1 (a new sequence length, a
-different head count). GROUP keeps only its "is 1" specialization (MHA against GQA); the strides
-keep theirs, as they are multiples of 16 whenever the head dim is, whatever the lengths, and
-aligned rows let the loads vectorize. So does `svec`, the row stride of the float32 row vectors (lse,
-delta, c, e: `triton_ops.row_stride`, a multiple of 16): the kernels address and mask those through
-it, never through N, so their loads vectorize too (through N, every one was a scalar load). Names a
-kernel does not take are ignored."""
+different head count or number of key splits). GROUP keeps only its "is 1" specialization (MHA
+against GQA); the strides keep theirs, as they are multiples of 16 whenever the head dim is,
+whatever the lengths, and aligned rows let the loads vectorize. So does `svec`, the row stride of the
+float32 row vectors (lse, delta, c, e: `triton_ops.row_stride`, a multiple of 16): the kernels
+address and mask those through it, never through N, so their loads vectorize too (through N, every
+one was a scalar load). Names a kernel does not take are ignored."""
 
 
 @triton.jit
@@ -132,6 +132,17 @@ def key_range(start_m, M, OFFSET, WINDOW, KS, KE, CAUSAL: tl.constexpr, HAS_WIND
         hi = tl.minimum(hi, KE)
         hi = tl.where(KE > KS, hi, lo)
     return lo, hi
+
+
+@triton.jit
+def split_piece(lo, hi, split, SPLITS, BLOCK_N: tl.constexpr):
+    """[first, last): the piece of key split `split` of [lo, hi) (lo BLOCK_N-aligned), cut into SPLITS
+    contiguous pieces of equally many whole BLOCK_N tiles (the last piece shorter); empty (first >=
+    last) for the splits past the last tile."""
+    tiles = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)
+    per_split = tl.cdiv(tiles, SPLITS) * BLOCK_N
+    first = lo + split * per_split
+    return first, tl.minimum(hi, first + per_split)
 
 
 @triton.jit

@@ -17,12 +17,14 @@ launches that follow find their kernels compiled.
 
 Stand-ins, not the real tensors, go through the launchers: batch 1 and a few rows, so they take a
 few KiB whatever the call's size. The forward's stand in for q, k and v (the same strides up to
-what Triton specializes on); the first backward's are the stand-in forward's outputs, with its out
-as dout; the BoB's the stand-in backward's outputs, with its dq, dk and dv as the three cotangents:
-contiguous (B, H, N, D), as autograd's usually are. A guess that does not hold (another layout of dout at head
-dims that are not multiples of 16, or some cotangents absent) only means that kernel compiles at
-its first launch, as without this module. Each family (what the stand-ins and options are made of,
-and the `tiling.override` settings in force) compiles once per process.
+what Triton specializes on), and the stand-in forward splits its keys where the real one would
+(`tiling.key_splits`: the split and combine kernels compile instead of the plain one); the first
+backward's are the stand-in forward's outputs, with its out as dout; the BoB's the stand-in
+backward's outputs, with its dq, dk and dv as the three cotangents: contiguous (B, H, N, D), as
+autograd's usually are. A guess that does not hold (another layout of dout at head dims that are
+not multiples of 16, or some cotangents absent) only means that kernel compiles at its first
+launch, as without this module. Each family (what the stand-ins and options are made of, whether
+the keys are split, and the `tiling.override` settings in force) compiles once per process.
 
 Off on the CPU, under TRITON_INTERPRET=1, during CUDA graph capture, inside another
 AsyncCompileMode, and when the environment variable FLASHBOB_PRECOMPILE is 0.
@@ -46,8 +48,8 @@ from . import tiling, triton_ops
 ENV = "FLASHBOB_PRECOMPILE"
 THREAD_PREFIX = "flashbob-compile"
 MAX_WORKERS = 8
-"""Compile threads at most: a second-order family has at most 7 kernels (forward, delta, dK/dV, dQ,
-two BoB rows launches, BoB columns)."""
+"""Compile threads at most: a second-order family has at most 8 kernels (forward, or its split and
+combine kernels; delta, dK/dV, dQ, two BoB rows launches, BoB columns)."""
 
 _done: set[tuple] = set()
 _lock = threading.Lock()
@@ -127,8 +129,9 @@ def second_order(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_range: t
         return
     # tiling's overrides (benchmarks compare launch settings) change what the launchers compile
     overrides = repr(sorted((kernel, sorted(s.items())) for kernel, s in tiling._overrides.items()))
+    splits = tiling.key_splits(q, k, options["window"]) > 1
     family = (str(q.device), tuple(t.dtype for t in (q, k, v)), specs, tuple(sorted(options.items())),
-              overrides)
+              overrides, splits)
     with _lock:
         if family in _done:
             return
@@ -148,6 +151,7 @@ def compile_ahead(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_range: 
     and options (causal, window, scale, fp32_precision: the launchers' keyword arguments), through
     stand-ins of them (`_stand_in_spec`); returns when all are compiled and in their kernels'
     caches. Unconditional (`second_order` decides whether it applies)."""
+    splits = tiling.key_splits(q, k, options["window"])
     specs = _stand_in_specs(q, k, v, key_range)
     q, k, v, key_range = (None if spec is None else _stand_in(spec, t)
                           for spec, t in zip(specs, (q, k, v, key_range)))
@@ -155,7 +159,8 @@ def compile_ahead(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_range: 
     workers = max(1, min(MAX_WORKERS, cores))
     with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix=THREAD_PREFIX) as pool, \
             CompileAhead(pool, ignore_errors=True), triton_ops.compiling_only():
-        out, lse = triton_ops.forward(q, k, v, key_range=key_range, **options)
+        with tiling.force_splits(splits):
+            out, lse = triton_ops.forward(q, k, v, key_range=key_range, **options)
         dq, dk, dv = triton_ops.backward(q, k, v, out, lse, out, key_range=key_range, **options)
         triton_ops.bob(q, k, v, out, lse, out, dq, dq, dk, dv, key_range=key_range, **options)
 

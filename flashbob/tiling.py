@@ -17,12 +17,17 @@ Registers do not vary across the GPUs Triton supports (compute capability 8.0 an
 32-bit registers per SM, at most 255 per thread), so the register rule (`split_bob_rows`) is the
 same on all of them. `override` replaces a kernel's settings for a while (benchmarks use it to
 compare tilings); overridden settings are launched as given, without stepping down.
+
+For few query rows and many keys (decoding) the forward splits the keys over more programs
+(`split_keys`, by the device's SM count); `force_splits` imposes a count (tests, compiles ahead).
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
+import functools
 import os
 import re
 from collections.abc import Callable
@@ -31,7 +36,7 @@ import torch
 import triton
 from triton.runtime.errors import OutOfResources
 
-KERNELS = ("forward", "backward_kv", "backward_q", "bob_rows", "bob_cols", "jvp")
+KERNELS = ("forward", "forward_split", "backward_kv", "backward_q", "bob_rows", "bob_cols", "jvp")
 INTERPRETER_TILES = (16, 16, 1, 1)
 """(BLOCK_M, BLOCK_N, num_warps, num_stages) under the CPU interpreter."""
 MIN_TILE = 16
@@ -41,6 +46,8 @@ _overrides: dict[str, dict] = {}
 _imposed: list[DeviceLimits] = []
 _working: dict[tuple, dict] = {}
 _device_cache: dict[int, DeviceLimits] = {}
+_forced_splits: contextvars.ContextVar[int | None] = contextvars.ContextVar("flashbob_forced_splits",
+                                                                           default=None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,8 +104,9 @@ def device_limits(device: torch.device) -> DeviceLimits:
 
 
 def adjusted() -> bool:
-    """Whether `override` or `impose_limits` is in effect (launch plans are off while either is)."""
-    return bool(_overrides or _imposed)
+    """Whether `override`, `impose_limits` or `force_splits` is in effect (launch plans are off while
+    any is)."""
+    return bool(_overrides or _imposed) or _forced_splits.get() is not None
 
 
 @contextlib.contextmanager
@@ -133,6 +141,8 @@ def _cuda_default(kernel: str, bd: int, itemsize: int, precision: str = "ieee") 
     program owns query rows: eight would split the row sums of a tile across warpgroups. Head dim 256
     takes the smallest tiles, for the registers (`cuda_config` then fits them to the device's shared
     memory). itemsize: bytes per input element; precision: the products of float32 inputs."""
+    if kernel == "forward_split":  # not measured: 16 rows, the fewest tl.dot takes (decoding has 1)
+        return (16, 64, 4, 3) if bd <= 128 else (16, 32, 4, 2)
     if bd > 128:
         return (64, 32, 4, 2) if kernel == "forward" else (32, 32, 4, 1)
     if itemsize == 4 and precision == "tf32x3" and bd == 128 and kernel in TF32X3_HEAD_DIM_128:
@@ -170,6 +180,69 @@ def split_bob_rows(head_dim: int) -> bool:
     return block_d(head_dim) > 64
 
 
+SPLIT_ROWS = 16
+"""Query rows (per batch and head) at most for which the forward splits keys: one row block of the
+split kernel, whose 16 rows are the fewest tl.dot takes (decoding has 1, speculative decoding a few)."""
+MIN_SPLIT_KEYS = 256
+"""Keys per split at least: four of the split kernel's 64-key tiles on CUDA, so that a program's key
+loop outweighs its prologue, its scratch writes and its share of the combine."""
+MAX_SPLITS = 128
+"""Splits at most: the combine merges all of a row's splits in one program."""
+INTERPRETER_SMS = 16
+"""The SM count that stands in for a device without one (the interpreter): small, so that tests of a
+few heads take the split path."""
+
+
+def split_keys(n: int, keys: int, batch_heads: int, device_sms: int) -> int:
+    """Into how many pieces the forward splits the keys of n query rows per (batch, head) that see at
+    most `keys` keys, for batch_heads = B * Hq on a device of device_sms SMs.
+
+    1 (the plain kernel, one program per row block and head) unless n <= SPLIT_ROWS and that grid
+    leaves more than half of the SMs idle (2 * batch_heads <= device_sms); then about two programs per
+    SM (ceil(2 * device_sms / batch_heads) pieces), each of at least MIN_SPLIT_KEYS keys, and at
+    most MAX_SPLITS: a decoded token of 12 heads on 132 SMs over 8192 keys takes 22 pieces."""
+    if n > SPLIT_ROWS or 2 * batch_heads > device_sms:
+        return 1
+    return max(1, min(-(-2 * device_sms // batch_heads), keys // MIN_SPLIT_KEYS, MAX_SPLITS))
+
+
+@functools.cache
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def device_sms(device: torch.device) -> int:
+    """The SM count of a CUDA device; INTERPRETER_SMS for any other."""
+    if device.type != "cuda":
+        return INTERPRETER_SMS
+    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def key_splits(q: torch.Tensor, k: torch.Tensor, window: int | None) -> int:
+    """The forward's key splits for q (B, Hq, N, D) and k (B, Hkv, M, D) under a sliding window (None:
+    none): the count `force_splits` imposes, else `split_keys` on q's device, a row then seeing at
+    most M keys (N + window - 1 under a window)."""
+    forced = _forced_splits.get()
+    if forced is not None:
+        return forced
+    n, m = q.shape[2], k.shape[2]
+    keys = m if window is None else min(m, n + window - 1)
+    return split_keys(n, keys, q.shape[0] * q.shape[1], device_sms(q.device))
+
+
+@contextlib.contextmanager
+def force_splits(count: int):
+    """Within the block (this thread only), the forward splits the keys into `count` pieces whatever
+    the sizes (1: the plain kernel); launch plans are off meanwhile."""
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"force_splits takes a positive int, got {count!r}")
+    token = _forced_splits.set(count)
+    try:
+        yield
+    finally:
+        _forced_splits.reset(token)
+
+
 COLUMN_KERNELS = ("backward_kv", "bob_cols")
 """Kernels whose programs own BLOCK_N keys and loop over query tiles (the others own BLOCK_M rows)."""
 LAUNCH_ONLY = ("SPLIT",)
@@ -181,7 +254,7 @@ def _operand_tiles(kernel: str, flags: dict) -> tuple[int, int, int]:
     for `kernel`: the (rows, BLOCK_D) operands it keeps. A kernel not listed counts as 2 and 3."""
     uq, uk, uv = (bool(flags.get(f, True)) for f in ("HAS_UQ", "HAS_UK", "HAS_UV"))
     g = bool(flags.get("HAS_G", uq or uk))
-    if kernel == "forward":
+    if kernel in ("forward", "forward_split"):
         return 1, 2, 2                                      # q; k, v
     if kernel in ("backward_kv", "backward_q"):
         return 2, 2, 2                                      # q, do / k, v

@@ -20,7 +20,11 @@ import triton
 from . import hopper, launch_plans, tiling
 from ._backward import attention_backward_dkdv_kernel, attention_backward_dq_kernel, row_dot_kernel
 from ._bob import attention_bob_cols_kernel, attention_bob_rows_kernel
-from ._forward import attention_forward_kernel
+from ._forward import (
+    attention_forward_combine_kernel,
+    attention_forward_kernel,
+    attention_forward_split_kernel,
+)
 from ._jvp import attention_jvp_kernel
 from ._tiles import LOG2E
 from .validation import check_fp32_precision
@@ -157,7 +161,9 @@ def forward(q, k, v, *, causal: bool, window: int | None, scale: float, fp32_pre
     """q: (B, Hq, N, D); k, v: (B, Hkv, M, D). Returns out (B, Hq, N, D) and lse (B, Hq, N) float32.
     fp32_precision: the products of float32 inputs (`validation.check_fp32_precision`).
     key_range: (B, 2) int32, batch row b sees keys key_range[b, 0] <= j < key_range[b, 1] (on top of
-    the causal / window mask), or None (every key); the same in every launcher."""
+    the causal / window mask), or None (every key); the same in every launcher.
+    For few query rows and many keys the keys are split over more programs (`tiling.key_splits`), the
+    same results in two launches (`_split_forward`)."""
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     key_range = _contiguous(key_range)
     batch, heads_q, n, d = q.shape
@@ -167,12 +173,17 @@ def forward(q, k, v, *, causal: bool, window: int | None, scale: float, fp32_pre
 
     def launch_all():
         precision = _precision(q.dtype, fp32_precision)
+        args = dict(qk_scale_log2=scale * LOG2E, **_mask_args(causal, window, n, m, key_range, q), HEAD_DIM=d,
+                    PRECISION=precision)
+        splits = tiling.key_splits(q, k, window)
+        if splits > 1:
+            _split_forward(q, k, v, out, lse, splits, args)
+            return
 
         def run(cfg):
             return _start(attention_forward_kernel, (triton.cdiv(n, cfg["BLOCK_M"]), batch * heads_q))(
                 q, k, v, out, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
-                n, m, heads_q, heads_q // heads_kv, qk_scale_log2=scale * LOG2E,
-                **_mask_args(causal, window, n, m, key_range, q), HEAD_DIM=d, PRECISION=precision, **cfg,
+                n, m, heads_q, heads_q // heads_kv, **args, **cfg,
             )
 
         _launch("forward", q, run, PRECISION=precision)
@@ -180,6 +191,35 @@ def forward(q, k, v, *, causal: bool, window: int | None, scale: float, fp32_pre
     _planned("forward", dict(q=q, k=k, v=v, key_range=key_range), dict(out=out, lse=lse),
              (causal, window, scale, fp32_precision), launch_all)
     return out, lse
+
+
+COMBINE_SPLITS = 16
+"""Splits the combine kernel merges per step (BLOCK_S)."""
+
+
+def _split_forward(q, k, v, out, lse, splits: int, args: dict) -> None:
+    """The forward's launches with the keys split into `splits` pieces: each piece's normalized output
+    and log-sum-exp into float32 scratch (`attention_forward_split_kernel`), then their merge into out
+    (B, Hq, N, D) and lse (B, Hq, N) (`attention_forward_combine_kernel`). args: the kernels' mask,
+    scale, HEAD_DIM and PRECISION arguments."""
+    batch, heads_q, n, d = q.shape
+    heads_kv, m = k.shape[1], k.shape[2]
+    part = _empty((batch * heads_q, n, splits, d), torch.float32, q.device)
+    part_lse = _empty((batch * heads_q, n, splits), torch.float32, q.device)
+
+    def run(cfg):
+        grid = (triton.cdiv(n, cfg["BLOCK_M"]), splits, batch * heads_q)
+        compiled = _start(attention_forward_split_kernel, grid)(
+            q, k, v, part, part_lse, *_strides(q), *_strides(k), *_strides(v),
+            n, m, heads_q, heads_q // heads_kv, SPLITS=splits, **args, **cfg,
+        )
+        _start(attention_forward_combine_kernel, (n, batch * heads_q))(
+            part, part_lse, out, lse, *_strides(out), n, heads_q, splits,
+            HEAD_DIM=d, BLOCK_S=COMBINE_SPLITS, BLOCK_D=cfg["BLOCK_D"],
+        )
+        return compiled
+
+    _launch("forward_split", q, run, PRECISION=args["PRECISION"])
 
 
 def backward(q, k, v, out, lse, dout, *, causal: bool, window: int | None, scale: float,

@@ -6,6 +6,8 @@
                process on one GPU: each case's time ratio with its spread over rounds (`ab.py`)
     jvp        forward mode (the fused JVP kernel) and the gradient through it (`jvp.py`)
     ranges     per-batch-row key ranges: what the range code costs, what skipped tiles save (`ranges.py`)
+    decode     few query rows over many keys: the split-keys forward against the plain kernel and torch
+               SDPA, device time per call from CUDA graphs (`decode.py`)
     precision  error against float64 of the BoB in 16-bit dtypes and of every stage in the float32
                modes, with their times (`precision.py`)
     first-call seconds of a family's first second-order call in fresh processes, and the

@@ -7,7 +7,7 @@ import sys
 
 SUBCOMMANDS = {"speed": "speed", "ab": "ab", "jvp": "jvp", "ranges": "ranges", "precision": "precision",
                "first-call": "first_call", "tiles": "tiles", "sm90": "sm90", "host": "host",
-               "compile": "compile_family"}
+               "compile": "compile_family", "decode": "decode"}
 """Subcommand -> module of flashbob.bench; each module has main(argv)."""
 
 

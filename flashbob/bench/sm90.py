@@ -51,10 +51,12 @@ from flashbob.bench import DTYPES
 STAGE_KERNELS = {"forward": ("forward",), "backward": ("backward_kv", "backward_q"),
                  "bob": ("bob_rows", "bob_cols"), "jvp": ("jvp",)}
 FLAGS = ("CAUSAL", "HAS_RANGE", "WANT_GQ", "WANT_GDO", "LATE_PK")
-KERNEL_OF = {"attention_forward_kernel": "forward", "attention_backward_dkdv_kernel": "backward_kv",
+KERNEL_OF = {"attention_forward_kernel": "forward", "attention_forward_split_kernel": "forward_split",
+             "attention_backward_dkdv_kernel": "backward_kv",
              "attention_backward_dq_kernel": "backward_q", "attention_bob_rows_kernel": "bob_rows",
              "attention_bob_cols_kernel": "bob_cols", "attention_jvp_kernel": "jvp"}
-"""Compiled kernel name -> its `tiling` name (row_dot has none: no tiles to estimate)."""
+"""Compiled kernel name -> its `tiling` name (row_dot and the forward's combine have none: no tiles to
+estimate)."""
 TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 

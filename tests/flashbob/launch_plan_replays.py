@@ -30,16 +30,17 @@ JITFunction.run = counted_run
 def inputs(case: dict, seed: int) -> dict:
     gen = torch.Generator().manual_seed(seed)
     b, hq, hkv, n, d = case["b"], case["hq"], case["hkv"], case["n"], case["d"]
+    m = case.get("m", n)
     dtype = getattr(torch, case.get("dtype", "bfloat16"))
 
-    def rand(heads):
-        return torch.randn(b, heads, n, d, generator=gen).to(dtype)
+    def rand(heads, rows=n):
+        return torch.randn(b, heads, rows, d, generator=gen).to(dtype)
 
-    t = dict(q=rand(hq), k=rand(hkv), v=rand(hkv), out=rand(hq), dout=rand(hq), dq=rand(hq),
-             u_q=rand(hq), u_k=rand(hkv), u_v=rand(hkv), lse=torch.randn(b, hq, n, generator=gen))
+    t = dict(q=rand(hq), k=rand(hkv, m), v=rand(hkv, m), out=rand(hq), dout=rand(hq), dq=rand(hq),
+             u_q=rand(hq), u_k=rand(hkv, m), u_v=rand(hkv, m), lse=torch.randn(b, hq, n, generator=gen))
     for name in case.get("absent", ()):
         t[name] = None
-    t["key_range"] = torch.tensor([[1, n]] * b, dtype=torch.int32) if case.get("key_range") else None
+    t["key_range"] = torch.tensor([[1, m]] * b, dtype=torch.int32) if case.get("key_range") else None
     return t
 
 

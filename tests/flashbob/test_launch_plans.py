@@ -29,6 +29,8 @@ CASES = [
     dict(stage="forward", b=1, hq=3, hkv=1, n=63, d=48, causal=True, key_range=True),
     dict(stage="backward", b=2, hq=2, hkv=2, n=37, d=64, causal=False),
     dict(stage="jvp", b=1, hq=2, hkv=1, n=50, d=64, causal=True, absent=["u_k"]),
+    # Decoding: one query row over 1000 keys, which the forward splits (split and combine launches).
+    dict(stage="forward", b=1, hq=2, hkv=1, n=1, m=1000, d=80, causal=True, key_range=True),
 ]
 
 
@@ -67,6 +69,8 @@ def test_a_replay_hands_the_driver_what_the_written_launcher_does(tmp_path):
     hopper_64, hopper_128 = (written[json.dumps(case, sort_keys=True)] for case in CASES[:2])
     assert sum(a[0] == "tma" for launch in hopper_64 for a in _flat(launch)) == 18
     assert len(hopper_128) == 4 and any("float32" in str(a) and "scratch" in str(a) for a in hopper_128[2])
+    decoding = written[json.dumps(CASES[-1], sort_keys=True)]
+    assert len(decoding) == 2 and all("scratch" in str(launch) for launch in decoding)
 
 
 class _Driver:

@@ -114,6 +114,17 @@ def test_compiles_ahead_exactly_what_the_call_launches(log, family):
     assert {how for how, _, _ in log[first_launch:]} == {"launch"}
 
 
+def test_a_family_whose_forward_splits_its_keys_compiles_the_split_kernels_ahead(log):
+    """One query row over 600 keys: the forward's split and combine kernels compile ahead, the plain
+    forward kernel neither ahead nor at launch."""
+    second_order_call(*layout("bhnd", 1, 2, 2, 1, 600, 48, torch.float32), fp32_precision="ieee")
+    launched = {(name, key) for how, name, key in log if how == "launch"}
+    assert launched == {(name, key) for how, name, key in log if how == "ahead"}
+    names = {name for name, _ in launched}
+    assert {"attention_forward_split_kernel", "attention_forward_combine_kernel"} <= names
+    assert "attention_forward_kernel" not in names
+
+
 def test_once_per_family_and_stand_ins_are_small(log):
     second_order_call(*layout("bhnd", 1, 2, 2, 40, 40, 64, torch.float16), causal=True)
     first = len(log)

@@ -3,7 +3,7 @@ same model with full attention: TTT-E2E's inference comparison.
 
     python -m ttt.experiments.generation recipe=ttt_e2e_125m [key=value ...] [--lengths 8192,32768,131072]
         [--decode-after 8192,131072] [--decode-tokens N] [--modes ttt,full] [--dtype bfloat16]
-        [--repeats 3] [--out rows.jsonl] [--tiny]
+        [--repeats 3] [--out rows.jsonl] [--graphs] [--tiny]
 
 Random weights and tokens: time and memory do not depend on their values. Modes:
     ttt    the recipe's model as configured: its sliding window, the inner steps of each chunk
@@ -12,8 +12,9 @@ Random weights and tokens: time and memory do not depend on their values. Modes:
            run by each candidate of FULL_ATTENTION (our forward kernel, torch SDPA held to its flash
            kernel, to its cuDNN kernel); the fastest candidate of each measurement is marked best
 Measurements, one JSON line each (and appended to --out):
-    prefill   `prefill` of a random prompt of `tokens` tokens, after one warm-up prefill of the first
-              length: ms_per_1k_tokens (the median of --repeats, CUDA synchronised), peak_gib
+    prefill   `prefill` of a random prompt of `tokens` tokens, after one warm-up prefill and decode
+              (`warm_up_length`: compilation, graphs): ms_per_1k_tokens (the median of --repeats, CUDA
+              synchronised), peak_gib
               (max_memory_allocated during the prefill, the weights included)
     decode    --decode-tokens greedy `decode_step`s (default 2 x ttt.chunk_len: two chunks' inner steps)
               after a prefill of `tokens` tokens: tokens_per_s, peak_gib during the decoding, state_gib
@@ -23,6 +24,9 @@ A measurement that runs out of memory gives status "oom", a candidate that canno
 measured, so a run stopped early keeps what it measured; stderr names each measurement as it starts. A
 last line {"summary": ..., "best": ...} holds the goals' ratios (`goals`) and the fastest candidate of
 each (mode, measure, tokens).
+--graphs: the sliding-window modes (ttt, swa) prefill with `prefill(graphs=True)` (each chunk's step
+one CUDA graph) and decode with a `GraphedDecoder` (each token's pass one CUDA graph); full attention,
+whose caches grow, runs as without it; each row says which (graphs).
 --tiny: a toy-size model of the recipe on the CPU in float32, lengths 48 and 96: it checks the logic,
 its times mean nothing.
 """
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import statistics
 import subprocess
@@ -44,6 +49,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from recipes import load_builder, load_config
 from ttt.layers import TTTTransformer
 from ttt.layers.generation import decode_step, prefill
+from ttt.layers.graphed import GraphedDecoder
 
 from .json_lines import emit
 from .meta_step_probe import is_out_of_memory
@@ -119,30 +125,40 @@ def prompt(length: int, vocab: int, device: torch.device) -> torch.Tensor:
     return torch.randint(0, vocab, (1, length), generator=generator).to(device)
 
 
-def measure_prefill(model: TTTTransformer, length: int, repeats: int, device: torch.device) -> dict:
-    """ms_per_1k_tokens (median of repeats) and peak_gib of prefilling a random prompt of length tokens."""
+def measure_prefill(
+    model: TTTTransformer, length: int, repeats: int, device: torch.device, graphs: bool = False
+) -> dict:
+    """ms_per_1k_tokens (median of repeats) and peak_gib of prefilling a random prompt of length tokens
+    (graphs: `prefill(graphs=True)`, replaying the chunk shapes' graphs that the model keeps from the
+    warm-up)."""
     tokens = prompt(length, model.cfg.vocab_size, device)
     seconds = []
     reset_peak(device)
     for _ in range(repeats):
-        seconds.append(timed(lambda: prefill(model, tokens), device))
+        seconds.append(timed(lambda: prefill(model, tokens, graphs=graphs), device))
     return {"ms_per_1k_tokens": statistics.median(seconds) * 1e6 / length,
             "peak_gib": allocated_gib(device, peak=True)}  # fmt: skip
 
 
-def measure_decode(model: TTTTransformer, context: int, steps: int, device: torch.device) -> dict:
-    """tokens_per_s of `steps` greedy decode steps after a prefill of context tokens, peak_gib during
-    them and state_gib, the memory the decode state holds beyond the weights."""
+def measure_decode(
+    model: TTTTransformer, context: int, steps: int, device: torch.device, graphs: bool = False
+) -> dict:
+    """tokens_per_s of `steps` greedy decode steps after a prefill of context tokens (graphs: by a
+    `GraphedDecoder`, its graph built before the timing), peak_gib during them and state_gib, the memory
+    the decode state holds beyond the weights."""
     weights = allocated_gib(device, peak=False)
-    state, logits = prefill(model, prompt(context, model.cfg.vocab_size, device))
+    state, logits = prefill(model, prompt(context, model.cfg.vocab_size, device), graphs=graphs)
     state_gib = None if weights is None else allocated_gib(device, peak=False) - weights
-    reset_peak(device)
+    step = GraphedDecoder(state) if graphs else functools.partial(decode_step, state)
     token = logits[:, -1].argmax(-1)
+    if graphs:
+        token = step(token).argmax(-1)  # builds the graph once the caches are full
+    reset_peak(device)
 
     def decode() -> None:
         nonlocal token
         for _ in range(steps):
-            token = decode_step(state, token).argmax(-1)
+            token = step(token).argmax(-1)
 
     seconds = timed(decode, device)
     peak = allocated_gib(device, peak=True)
@@ -150,8 +166,12 @@ def measure_decode(model: TTTTransformer, context: int, steps: int, device: torc
 
 
 def warm_up_length(model: TTTTransformer, length: int) -> int:
-    """length rounded up to whole chunks: a prompt whose first decode step takes a chunk's inner steps."""
+    """The warm-up prompt's length: length, and at least the window and two chunks (so that it closes a
+    chunk whose caches hold the whole window: every chunk shape of a longer prompt occurs, and the
+    graphed chunk step captures them all), rounded up to whole chunks (its first decode step takes a
+    chunk's inner steps)."""
     chunk_len = model.ttt_cfg.chunk_len
+    length = max(length, (model.cfg.window or 0) + 2 * chunk_len)
     return -(-length // chunk_len) * chunk_len
 
 
@@ -170,10 +190,12 @@ def run_mode(
         mode_overrides = [*overrides, *(item.format(model=section) for item in MODES[mode])]
         if backend is not None:
             mode_overrides.append(f"{section}.attention={backend}")
+        graphs = args.graphs and mode != "full"  # full attention's caches grow: no graphs
         base = {
             "mode": mode,
             "attention": name,
             "overrides": [o for o in mode_overrides if "recipe=" not in o],
+            "graphs": graphs,
         }
         held = sdpa_kernel([kernel]) if kernel is not None else contextlib.nullcontext()
         model = build_model(mode_overrides, args.dtype, device)
@@ -184,12 +206,13 @@ def run_mode(
                 row = {**base, "measure": measure, "tokens": tokens}
                 print(f"{mode}/{name}: {measure} {tokens} tokens", file=sys.stderr, flush=True)
                 try:
-                    if index == 0:  # warm-up: compilation, autotuning
-                        measure_decode(model, warm_up_length(model, args.lengths[0]), 2, device)
+                    if index == 0:  # warm-up: compilation, autotuning, the chunk step's graphs
+                        measure_decode(model, warm_up_length(model, args.lengths[0]), 2, device, graphs)
                     if measure == "prefill":
-                        row.update(status="ok", **measure_prefill(model, tokens, args.repeats, device))
+                        measured = measure_prefill(model, tokens, args.repeats, device, graphs)
+                        row.update(status="ok", **measured)
                     else:
-                        row.update(status="ok", **measure_decode(model, tokens, steps, device))
+                        row.update(status="ok", **measure_decode(model, tokens, steps, device, graphs))
                 except Exception as err:  # noqa: BLE001 - each failure is a row; the next one runs
                     status = "oom" if is_out_of_memory(err) else "unsupported"
                     row.update(
@@ -281,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="timed prefills per length (median)")
     parser.add_argument("--out", help="append the JSON lines to this file")
     parser.add_argument("--tiny", action="store_true", help="a toy-size model on the CPU (tests the logic)")
+    parser.add_argument("--graphs", action="store_true", help="CUDA graphs (ttt.layers.graphed)")
     args = parser.parse_intermixed_args(argv)
     modes = args.modes.split(",")
     if [m for m in modes if m not in MODES] or args.repeats < 1 or (args.decode_tokens or 1) < 1:

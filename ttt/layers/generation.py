@@ -35,6 +35,7 @@ weights, whatever the context's length; the cost is one more forward of the suff
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
@@ -75,6 +76,9 @@ class DecodeState:
     """(B, chunk_len) int64: the open chunk's tokens, its first `chunk_filled` written."""
     chunk_filled: int = 0
     """Positions of the open chunk read so far."""
+    chunk_step: Callable | None = None
+    """What closes a chunk: step(carry, caches, chunk) -> (caches, carry) after it (a
+    `ttt.layers.graphed.GraphedChunkStep` after prefill(graphs=True)); None: the reader's `read_chunks`."""
 
     @property
     def batch(self) -> int:
@@ -94,12 +98,17 @@ def _mask(targets: torch.Tensor, masked_target: int | None) -> torch.Tensor | No
     return None if masked_target is None else targets != masked_target
 
 
-def _read_prefix(state: DecodeState, tokens: torch.Tensor) -> Chunk:
-    """Embedding and prefix blocks on tokens (B, n) at positions state.position.., each block continuing
-    its cache (advanced in state). Returns the positions for the suffix: inputs (B, n, d_model), their
-    RoPE tables, targets (B, 0) (the caller sets them), no mask."""
-    start, end = state.position, state.position + tokens.shape[1]
-    cos, sin = state.model.rope_tables(end, tokens.device, start=start)
+def rope_tables(state: DecodeState, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (n, head_dim) of the next n positions, state.position.."""
+    return state.model.rope_tables(state.position + n, device, start=state.position)
+
+
+def _read_prefix(state: DecodeState, tokens: torch.Tensor, tables=None) -> Chunk:
+    """Embedding and prefix blocks on tokens (B, n) at positions state.position.. (their RoPE tables:
+    `tables`, default `rope_tables`), each block continuing its cache (advanced in state). Returns the
+    positions for the suffix: inputs (B, n, d_model), their RoPE tables, targets (B, 0) (the caller sets
+    them), no mask."""
+    cos, sin = tables or rope_tables(state, tokens.shape[1], tokens.device)
     hidden = state.model.embed(tokens)
     for i, block in enumerate(state.prefix):
         hidden, state.prefix_caches[i] = block(hidden, cos, sin, state.prefix_caches[i])
@@ -116,6 +125,7 @@ def prefill(
     all_logits: bool = False,
     capacity: int | None = None,
     on_chunk: Callable[[int], None] | None = None,
+    graphs: bool = False,
 ) -> tuple[DecodeState, torch.Tensor]:
     """Read the prompts, tokens (B, P) int64 (module docstring). Returns (the decode state, the logits
     (B, P, V) of every position with all_logits, else (B, 1, V) of the last).
@@ -124,7 +134,9 @@ def prefill(
     lr_scale: factor on the inner learning rates (1.0: as at evaluation after the warm-up); masked_target:
     targets equal to it are left out of the inner loss (TTT-E2E's BOS under data.packing=stream);
     capacity: positions the full-attention caches reserve room for (default P; they double when full);
-    on_chunk: called with the number of positions of each chunk once read (a progress bar; P in all).
+    on_chunk: called with the number of positions of each chunk once read (a progress bar; P in all);
+    graphs: the closed chunks, and later the decoding's closes, by a `ttt.layers.graphed.GraphedChunkStep`
+    (sliding-window models; a CUDA graph on CUDA; not with all_logits).
     Runs in grad mode also inside torch.no_grad (the inner steps need gradients) but not under
     torch.inference_mode; keeps no outer graph."""
     check_tokens(tokens)
@@ -152,7 +164,18 @@ def prefill(
     chunk_len = model.ttt_cfg.chunk_len
     closed = (length - 1) // chunk_len * chunk_len if options.steps else 0
     logits = []
-    if closed:
+    if graphs and options.steps:
+        if all_logits:
+            raise ValueError("prefill's graphs keep no logits of the closed chunks: all_logits must be False")
+        from .graphed import chunk_step_for  # it builds on this module
+
+        state.chunk_step = chunk_step_for(model, options)
+        for start in range(0, closed, chunk_len):
+            part = whole.part(start, start + chunk_len)
+            state.caches, state.carry = state.chunk_step(state.carry, state.caches, part)
+            if on_chunk is not None:
+                on_chunk(len(part))
+    elif closed:
         with torch.enable_grad():
             closed_logits, _, state.caches, state.carry = model.read_chunks(
                 state.carry, state.caches, whole.part(0, closed),
@@ -176,7 +199,7 @@ def prefill(
     return state, torch.cat(logits, dim=1)
 
 
-def _close_chunk(state: DecodeState, token: torch.Tensor) -> None:
+def close_chunk(state: DecodeState, token: torch.Tensor) -> None:
     """The open (full) chunk's inner steps, its last target token (B,) now known: the chunk read again
     from the suffix caches at its start by the reader's loop (`read_chunks`, as the chunked read reads
     it), its fast weights stepped; the next chunk opens at state.position."""
@@ -184,8 +207,11 @@ def _close_chunk(state: DecodeState, token: torch.Tensor) -> None:
     targets = torch.cat([state.chunk_tokens[:, 1:], token[:, None]], dim=1)
     cos, sin = model.rope_tables(state.position, token.device, start=state.position - chunk_len)
     chunk = Chunk(state.chunk_inputs, targets, cos, sin, _mask(targets, state.masked_target), last=False)
-    with torch.enable_grad():
-        _, _, _, state.carry = model.read_chunks(state.carry, state.chunk_caches, chunk, state.options)
+    if state.chunk_step is not None:
+        _, state.carry = state.chunk_step(state.carry, state.chunk_caches, chunk)
+    else:
+        with torch.enable_grad():
+            _, _, _, state.carry = model.read_chunks(state.carry, state.chunk_caches, chunk, state.options)
     state.chunk_caches, state.chunk_filled = state.caches, 0
 
 
@@ -197,19 +223,40 @@ def decode_step(state: DecodeState, token: torch.Tensor) -> torch.Tensor:
     if token.shape != (batch,) or token.dtype != torch.long:
         raise ValueError(f"token must be a ({batch},) int64 tensor, one per sequence, got "
                          f"{tuple(token.shape)} {token.dtype}")  # fmt: skip
-    model, chunk_len = state.model, state.model.ttt_cfg.chunk_len
-    if state.chunk_inputs is not None and state.chunk_filled == chunk_len:
-        _close_chunk(state, token)
+    if chunk_is_full(state):
+        close_chunk(state, token)
+    inputs, logits = read_token(state, token, state.carry[0])
+    record_token(state, inputs, token)
+    return logits
+
+
+def chunk_is_full(state: DecodeState) -> bool:
+    """Whether the open chunk holds chunk_len positions (the next token closes it); False without inner
+    steps."""
+    return state.chunk_inputs is not None and state.chunk_filled == state.model.ttt_cfg.chunk_len
+
+
+def read_token(
+    state: DecodeState, token: torch.Tensor, fast: dict[str, torch.Tensor], tables=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """token (B,) at position state.position through the prefix blocks and, with the fast weights
+    `fast`, the suffix blocks and the head, each block's cache advanced in state; tables: its RoPE
+    tables (default `rope_tables`). Returns (the prefix's output (B, d_model), the logits (B, V));
+    state.position and the open chunk are left to `record_token`."""
     with torch.no_grad():
-        position = _read_prefix(state, token[:, None])
-        hidden, state.caches = model.read_suffix(state.carry[0], position, state.caches)
-        logits = model.head(hidden[:, -1])
+        position = _read_prefix(state, token[:, None], tables)
+        hidden, state.caches = state.model.read_suffix(fast, position, state.caches)
+        return position.inputs[:, 0], state.model.head(hidden[:, -1])
+
+
+def record_token(state: DecodeState, inputs: torch.Tensor, token: torch.Tensor) -> None:
+    """After `read_token`: the token (B,) and its prefix output inputs (B, d_model) join the open chunk;
+    the state moves to the next position."""
     if state.chunk_inputs is not None:
-        state.chunk_inputs[:, state.chunk_filled] = position.inputs[:, 0]
+        state.chunk_inputs[:, state.chunk_filled] = inputs
         state.chunk_tokens[:, state.chunk_filled] = token
         state.chunk_filled += 1
     state.position += 1
-    return logits
 
 
 def check_sampling(*, max_new_tokens: int, temperature: float, top_p: float) -> None:
@@ -251,19 +298,30 @@ def generate(
     masked_target: int | None = None,
     stop_token: int | None = None,
     on_chunk: Callable[[int], None] | None = None,
+    graphs: bool = False,
 ) -> Iterator[torch.Tensor]:
     """Continue the prompts tokens (B, P) by up to max_new_tokens tokens, yielding each as it is chosen,
     (B,) int64 (`sample` with a generator seeded by seed on tokens' device); stops early once every row
-    has produced stop_token. adapt, lr_scale, masked_target, on_chunk: as in `prefill`. Arguments are
+    has produced stop_token. adapt, lr_scale, masked_target, on_chunk: as in `prefill`; graphs: prefill
+    with graphs and decode with a `ttt.layers.graphed.GraphedDecoder` (sliding-window models; CUDA graphs
+    on CUDA). Arguments are
     checked when called (ValueError naming the bad one), the model runs as the tokens are drawn."""
     check_tokens(tokens)
     check_sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
+    if graphs and model.cfg.window is None:
+        raise ValueError("graphs need a sliding-window model (model.window set): full attention's "
+                         "key/value caches grow with every token")  # fmt: skip
 
     def tokens_drawn() -> Iterator[torch.Tensor]:
         state, logits = prefill(
             model, tokens, adapt=adapt, lr_scale=lr_scale, masked_target=masked_target,
-            capacity=tokens.shape[1] + max_new_tokens, on_chunk=on_chunk,
+            capacity=tokens.shape[1] + max_new_tokens, on_chunk=on_chunk, graphs=graphs,
         )  # fmt: skip
+        step = functools.partial(decode_step, state)
+        if graphs:
+            from .graphed import GraphedDecoder  # it builds on this module
+
+            step = GraphedDecoder(state)
         generator = torch.Generator(device=tokens.device).manual_seed(seed)
         logits, stopped = logits[:, -1], torch.zeros_like(tokens[:, 0], dtype=torch.bool)
         for drawn in range(1, max_new_tokens + 1):
@@ -273,6 +331,6 @@ def generate(
                 stopped |= token == stop_token
             if drawn == max_new_tokens or stopped.all():
                 return
-            logits = decode_step(state, token)
+            logits = step(token)
 
     return tokens_drawn()

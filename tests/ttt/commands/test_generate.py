@@ -63,6 +63,9 @@ def test_the_command_streams_the_continuation_of_the_chunked_read(lm_run, prompt
     assert status == 0, err
     assert out == expected and len(out) > 0
     assert "".join(generator.stream(PROMPT, 40)) == expected
+    status, out, err = generate_command(capsys, lm_run, "--prompt", prompt_file, "--max-new-tokens", 40,
+                                        "--graphs", "on")  # fmt: skip
+    assert status == 0 and out == expected, err
     without = "".join(generator.stream(PROMPT, 40, adapt=False))
     status, out, _ = generate_command(
         capsys, lm_run, "--prompt", prompt_file, "--max-new-tokens", 40, "--no-ttt"
@@ -103,6 +106,17 @@ def mismatched_tokenizer_run(lm_run, tmp_path):
     return run
 
 
+@pytest.fixture
+def full_attention_run(lm_run, tmp_path):
+    """A copy of lm_run whose config turns its sliding window off (model.window null)."""
+    run = shutil.copytree(lm_run, tmp_path / "full_attention")
+    path = run / "checkpoints" / "last.ckpt"
+    checkpoint = torch.load(path, weights_only=False)
+    checkpoint["hyper_parameters"][RECIPE_CONFIG]["model"]["window"] = None
+    torch.save(checkpoint, path)
+    return run
+
+
 @pytest.mark.parametrize(
     "case, message",
     [
@@ -121,6 +135,7 @@ def mismatched_tokenizer_run(lm_run, tmp_path):
         ("top-p 0", r"--top-p must be in \(0, 1\]"),
         ("top-p above 1", r"--top-p must be in \(0, 1\]"),
         ("no such device", "--device 'nowhere' is not available"),
+        ("graphs on full attention", "--graphs on needs a sliding-window model"),
     ],
 )
 def test_bad_input_exits_with_status_2_and_says_what_is_wrong(
@@ -133,6 +148,8 @@ def test_bad_input_exits_with_status_2_and_says_what_is_wrong(
         run = request.getfixturevalue("sinusoid_run")
     elif case == "tokenizer too large":
         run = request.getfixturevalue("mismatched_tokenizer_run")
+    elif case == "graphs on full attention":
+        run = request.getfixturevalue("full_attention_run")
     elif case in ("binary prompt", "NUL in prompt", "empty prompt"):
         prompt = tmp_path / "prompt.bin"
         prompt.write_bytes(
@@ -146,6 +163,7 @@ def test_bad_input_exits_with_status_2_and_says_what_is_wrong(
         "top-p 0": ["--top-p", 0],
         "top-p above 1": ["--top-p", 1.5],
         "no such device": ["--device", "nowhere"],
+        "graphs on full attention": ["--graphs", "on"],
     }.get(case, [])
     status, out, err = generate_command(capsys, run, "--prompt", prompt, "--max-new-tokens", 5, *options)
     assert status == 2 and out == ""

@@ -76,3 +76,14 @@ def test_bad_arguments_are_named():
         generation.main(["recipe=ttt_e2e", "--lengths", "8,-1"])
     with pytest.raises(SystemExit, match="does not build a TTTTransformer"):
         generation.main(["recipe=neural_memory", "--modes", "ttt"])
+
+
+def test_graphs_apply_to_the_window_modes_and_full_attention_runs_as_without(tmp_path, capsys):
+    """--graphs: the ttt mode's rows measured with graphs (graphs=true), the full mode's as without it
+    (graphs=false: its caches grow), every row ok but cuDNN's (none on the CPU)."""
+    out = tmp_path / "rows.jsonl"
+    args = ["recipe=ttt_e2e_125m", "--tiny", "--modes", "ttt,full", "--repeats", "1", "--decode-tokens", "20"]
+    assert generation.main([*args, "--graphs", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()][:-1]
+    assert all(row["graphs"] == (row["mode"] == "ttt") for row in rows)
+    assert all(row["status"] == "ok" for row in rows if row["attention"] != "sdpa_cudnn")

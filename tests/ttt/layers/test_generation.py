@@ -2,7 +2,8 @@
 the logits of one chunked read of the prompt and the tokens decoded at every position, and its greedy
 tokens; sliding windows shorter and longer than a chunk, full attention, GQA, QK-norm and post-norms,
 several inner steps, a masked target; without test-time training, the plain model. Then sampling,
-memory that stays flat, and the errors."""
+memory that stays flat, the errors, and the graphed prefill and decoding (`ttt.layers.graphed`): the
+eager logits, from static buffers (CPU) and from captured CUDA graphs (GPU)."""
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ import torch
 from ttt.inner import InnerLoopConfig
 from ttt.layers import TTTConfig, TTTTransformer
 from ttt.layers.generation import decode_step, generate, prefill, sample
+from ttt.layers.graphed import GraphedDecoder, chunk_step_for
 from ttt.models import Transformer, TransformerConfig
 
 VOCAB, CHUNK = 23, 4
@@ -122,6 +124,7 @@ def test_generate_streams_the_greedy_tokens_and_samples_reproducibly():
     greedy = torch.stack(list(generate(model, prompt, 9)), dim=1)
     _, logits = decode_greedily(model, prompt, 8)
     assert torch.equal(greedy, logits[:, 6:].argmax(-1))
+    assert torch.equal(torch.stack(list(generate(model, prompt, 9, graphs=True)), dim=1), greedy)
     drawn = [torch.stack(list(generate(model, prompt, 6, temperature=1.3, seed=s)), 1) for s in (5, 5, 6)]
     assert torch.equal(drawn[0], drawn[1]) and not torch.equal(drawn[0], drawn[2])
     nucleus = torch.stack(list(generate(model, prompt, 6, temperature=1.3, top_p=1e-9, seed=5)), 1)
@@ -174,3 +177,78 @@ def test_a_token_of_the_wrong_shape_or_a_model_without_fast_weights_is_refused()
         decode_step(state, torch.zeros(3, dtype=torch.long))
     with pytest.raises(TypeError, match="TTTTransformer, got Transformer"):
         prefill(base, prompts(3))
+
+GRAPHED_CASES = {
+    # id: (window, prompt length, adapt)
+    "window3<chunk": (3, 7, True),
+    "window9>chunk": (9, 12, True),
+    "prompt-shorter-than-window": (9, 3, True),
+    "without-ttt": (5, 6, False),
+    "prompt-of-7-chunks": (3, 30, True),  # 6 of its chunks by the graphed chunk step
+}
+
+
+def both_ways(model, prompt, steps, adapt, tol=1e-12, **decoder_options):
+    """Greedy logits (B, steps, V) of decode_step after prefill, and of a GraphedDecoder after
+    prefill(graphs=True) (whose logits must equal the eager prefill's within tol)."""
+    eager_state, logits = prefill(model, prompt, adapt=adapt)
+    graphed_state, graphed_logits = prefill(model, prompt, adapt=adapt, graphs=True)
+    torch.testing.assert_close(graphed_logits, logits, rtol=tol, atol=tol)
+    decoder = GraphedDecoder(graphed_state, **decoder_options)
+    eager, graphed, token = [], [], logits[:, -1].argmax(-1)
+    for _ in range(steps):
+        eager.append(decode_step(eager_state, token))
+        graphed.append(decoder(token))
+        token = eager[-1].argmax(-1)
+    assert graphed_state.position == eager_state.position
+    return torch.stack(eager, 1), torch.stack(graphed, 1)
+
+
+@pytest.mark.parametrize("case", GRAPHED_CASES.values(), ids=GRAPHED_CASES.keys())
+def test_graphed_prefill_and_decoding_on_static_buffers_give_the_eager_logits(case):
+    window, length, adapt = case
+    _, model = make(window=window)
+    eager, graphed = both_ways(model, prompts(length), 4 * CHUNK + 3, adapt, capture=False)  # 4 closes
+    torch.testing.assert_close(graphed, eager, rtol=0, atol=1e-12)
+
+
+def test_the_chunk_step_keeps_a_shape_per_cache_length_for_the_models_later_reads():
+    _, model = make(window=9)  # caches of 0, 4 and 8 positions at a chunk's start
+    _, eager = prefill(model, prompts(30))
+    state, logits = prefill(model, prompts(30), graphs=True)
+    step = state.chunk_step
+    assert step.shapes == 3
+    state, again = prefill(model, prompts(30), graphs=True)
+    assert state.chunk_step is step and step.shapes == 3
+    torch.testing.assert_close(again, eager, rtol=0, atol=1e-12)
+    with torch.no_grad():  # a parameter moved to new memory: the shapes are built again, on its values
+        model.layers[2].attn.wv.weight = torch.nn.Parameter(model.layers[2].attn.wv.weight * 1.5)
+    _, eager = prefill(model, prompts(30))
+    state, moved = prefill(model, prompts(30), graphs=True)
+    assert step.shapes == 3
+    torch.testing.assert_close(moved, eager, rtol=0, atol=1e-12)
+    assert not torch.allclose(moved, again)
+    assert chunk_step_for(model, state.options) is step
+    assert chunk_step_for(model, state.options, capture=False) is not step
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA graph needs a GPU")
+@pytest.mark.filterwarnings("error:ttt.layers.graphed runs uncaptured")  # a fallback would hide the graphs
+def test_the_captured_graphs_give_the_eager_logits_on_cuda():
+    _, model = make(window=5, attention="flashbob", dtype=torch.float32)
+    model = model.cuda()
+    eager, graphed = both_ways(model, prompts(30).cuda(), 4 * CHUNK + 3, True, tol=1e-5)
+    torch.testing.assert_close(graphed, eager, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():  # a parameter moved to new memory: the kept graphs must not read the old one
+        model.layers[2].attn.wv.weight = torch.nn.Parameter(model.layers[2].attn.wv.weight * 1.5)
+    eager, graphed = both_ways(model, prompts(30).cuda(), 4 * CHUNK + 3, True, tol=1e-5)
+    torch.testing.assert_close(graphed, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_full_attention_is_refused():
+    _, model = make(window=None)
+    state, _ = prefill(model, prompts(5))
+    with pytest.raises(ValueError, match="sliding-window"):
+        GraphedDecoder(state)
+    with pytest.raises(ValueError, match="sliding-window"):
+        generate(model, prompts(5), 3, graphs=True)  # when called, before any token
