@@ -11,11 +11,11 @@ A graph needs every address and shape to stay the same from one replay to the ne
 static buffers and copies into and out of them around its replay:
     GraphedDecoder  in: the token (B,), its RoPE tables (1, head_dim) (computed eagerly: the position is
                     a host number), the open chunk's fast weights (copied in again after each chunk's
-                    inner steps); held: every block's key/value cache, (B, H, window - 1, head_dim): the
-                    pass reads it, attends over it and the token's keys (as `SuffixBlock.attend` does)
-                    and copies the window - 1 most recent back into it; out: the prefix's output of the
-                    token (B, d_model) and its logits (B, V). Eager around it: a chunk's close (by a
-                    GraphedChunkStep), the RoPE tables, the open chunk's bookkeeping (`record_token`).
+                    inner steps); held: every block's key/value cache as a `RingCache`, (B, H, window,
+                    head_dim), the token's keys written in place over the oldest and attended to with
+                    the rest; out: the prefix's output of the token (B, d_model) and its logits (B, V).
+                    Eager around it: a chunk's close (by a GraphedChunkStep, from the rings' windows in
+                    order), the RoPE tables, the open chunk's bookkeeping (`record_token`).
     GraphedChunkStep  in: the carry (fast weights, inner optimizer state, learning rates), the suffix
                     caches, the chunk's inputs, targets, RoPE tables and mask; out: the caches and carry
                     after the chunk (`read_chunks` on that one chunk), handed back as copies.
@@ -24,9 +24,10 @@ the first call after. The chunk step keeps a graph per input shape (a prompt's f
 caches), captured at the shape's first call and kept with the model for its later reads
 (`chunk_step_for`). Sliding-window models only: full attention's caches grow with every token.
 
-Exactness: the replayed code is the eager code (`read_token`, `read_chunks`) on the same values: the
-results equal the eager ones (tests/ttt/layers/test_generation.py, float64 on the CPU with
-capture=False; the captured graphs on CUDA).
+Exactness: the replayed code is the eager code (`read_token`, `read_chunks`) on the same values, the
+decoder's attention over its rings up to the order of the softmax's sums: the results equal the eager
+ones to rounding (tests/ttt/layers/test_generation.py, float64 on the CPU with capture=False; the
+captured graphs on CUDA).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from .generation import (
     rope_tables,
 )
 from .reader import Chunk, ReadOptions
+from .ring_cache import RingCache
 
 
 class GraphedDecoder:
@@ -75,7 +77,7 @@ class GraphedDecoder:
             self._build(token)
         if chunk_is_full(state):
             close_chunk(state, token)
-            state.chunk_caches = [tuple(t.clone() for t in cache) for cache in self.caches]
+            state.chunk_caches = [ring.pair() for ring in self.caches]
             with torch.no_grad():
                 for name, weight in state.carry[0].items():
                     self.fast[name].copy_(weight)
@@ -88,32 +90,31 @@ class GraphedDecoder:
         return self.logits.clone()
 
     def _build(self, token: torch.Tensor) -> None:
-        """The static buffers (the state's caches become them), then the pass: captured on CUDA after one
-        eager run (compilation, launch plans) whose effects on the buffers are undone."""
+        """The static buffers (the state's caches become `RingCache`s), then the pass: captured on CUDA
+        after one eager run (compilation, launch plans) whose effects on the rings are undone."""
         state = self.state
-        self.prefix_caches = [tuple(t.clone() for t in cache) for cache in state.prefix_caches]
-        self.caches = [tuple(t.clone() for t in cache) for cache in state.caches]
+        with torch.no_grad():
+            self.prefix_caches = [RingCache.from_pair(*cache) for cache in state.prefix_caches]
+            self.caches = [RingCache.from_pair(*cache) for cache in state.caches]
         state.prefix_caches, state.caches = list(self.prefix_caches), list(self.caches)
         self.fast = {name: weight.detach().clone() for name, weight in state.carry[0].items()}
         self.token = torch.zeros_like(token)
         self.cos, self.sin = (t.clone() for t in rope_tables(state, 1, token.device))
+        held = [t for ring in self.prefix_caches + self.caches for t in ring.buffers()]
+        before = [t.clone() for t in held]
         self.inputs, self.logits = (t.clone() for t in read_token(state, token, self.fast))
-        state.prefix_caches, state.caches = list(self.prefix_caches), list(self.caches)  # undo that read
+        with torch.no_grad():  # undo that read
+            for buffer, saved in zip(held, before):
+                buffer.copy_(saved)
         if token.is_cuda if self.capture is None else self.capture:
-            held = [t for cache in self.prefix_caches + self.caches for t in cache]
             self._pass = capture(self._eager_pass, held, token.device)
         else:
             self._pass = self._eager_pass
 
     def _eager_pass(self) -> None:
-        """One token's pass on the static buffers: `read_token`, its new caches copied into the held ones,
-        its outputs into inputs and logits."""
-        state = self.state
-        inputs, logits = read_token(state, self.token, self.fast, (self.cos, self.sin))
-        for held, new in zip(self.prefix_caches + self.caches, state.prefix_caches + state.caches):
-            held[0].copy_(new[0])
-            held[1].copy_(new[1])
-        state.prefix_caches, state.caches = list(self.prefix_caches), list(self.caches)
+        """One token's pass on the static buffers: `read_token` (writing the token's keys and values into
+        the rings), its outputs copied into inputs and logits."""
+        inputs, logits = read_token(self.state, self.token, self.fast, (self.cos, self.sin))
         self.inputs.copy_(inputs)
         self.logits.copy_(logits)
 

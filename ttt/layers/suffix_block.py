@@ -10,10 +10,12 @@ from ttt.models.attention import attention
 from ttt.models.transformer import Block, RMSNorm, SwiGLU, TransformerConfig, residual
 
 from .prefix_cache import PrefixCache
+from .ring_cache import RingCache
 
-KVCache = tuple[torch.Tensor, torch.Tensor] | PrefixCache | None
+KVCache = tuple[torch.Tensor, torch.Tensor] | PrefixCache | RingCache | None
 """Keys (RoPE applied) and values of the most recent positions, each (B, n_kv_heads, M, head_dim): a
-pair, or a `PrefixCache` (all positions, full causal attention with `SuffixBlock.shares_prefix`)."""
+pair, a `PrefixCache` (all positions, full causal attention with `SuffixBlock.shares_prefix`), or a
+`RingCache` (a sliding window decoded one position at a time, written in place)."""
 
 
 def detach_cache(cache: KVCache) -> KVCache:
@@ -74,10 +76,15 @@ class SuffixBlock(nn.Module):
     def attend(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache):
         """Attention of the chunk x (B, C, d) over the cache and itself; cos, sin (C, head_dim) are the
         RoPE tables of the chunk's absolute positions. Returns ((B, C, d), the cache for the next chunk).
-        A `PrefixCache` (given, or made for a block with shares_prefix under full attention) grows in its
-        buffer; a pair of tensors is extended by concatenation and cut to the `kept_keys` most recent (a view,
-        copied when more was cut than kept, so that the cache of a long read does not hold all of it)."""
+        A `RingCache` (one position) takes its keys and values in place; a `PrefixCache` (given, or made
+        for a block with shares_prefix under full attention) grows in its buffer; a pair of tensors is
+        extended by concatenation and cut to the `kept_keys` most recent (a view, copied when more was
+        cut than kept, so that the cache of a long read does not hold all of it)."""
         q, k, v = self.attn.project_qkv(x, cos, sin)
+        if isinstance(cache, RingCache):  # one position, whose window is the whole ring once written
+            cache.extend(k, v)
+            out = attention(q, cache.keys, cache.values, backend=self.cfg.attention, causal=False)
+            return self.attn.project_out(out), cache
         if isinstance(cache, PrefixCache) or (self.shares_prefix and self.kept_keys() is None):
             cache = (PrefixCache.reserve(0) if cache is None else cache).extend(k, v)
             out = attention(q, cache.keys, cache.values, backend=self.cfg.attention, causal=True, window=None)
