@@ -45,6 +45,7 @@ from .e2e import TTTTransformer
 from .fast_weights import FastCarry, read_options
 from .prefix_cache import PrefixCache
 from .reader import Chunk, ReadOptions, check_tokens
+from .ring_cache import RingCache
 from .suffix_block import KVCache, SuffixBlock
 
 
@@ -212,7 +213,13 @@ def close_chunk(state: DecodeState, token: torch.Tensor) -> None:
     else:
         with torch.enable_grad():
             _, _, _, state.carry = model.read_chunks(state.carry, state.chunk_caches, chunk, state.options)
-    state.chunk_caches, state.chunk_filled = state.caches, 0
+    state.chunk_caches, state.chunk_filled = [in_order(cache) for cache in state.caches], 0
+
+
+def in_order(cache: KVCache) -> KVCache:
+    """A cache as a chunk's read continues from it: a `RingCache` (a graphed decoding's) as its pair of
+    the window - 1 most recent positions in order; any other as it is."""
+    return cache.pair() if isinstance(cache, RingCache) else cache
 
 
 def decode_step(state: DecodeState, token: torch.Tensor) -> torch.Tensor:

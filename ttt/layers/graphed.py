@@ -77,10 +77,11 @@ class GraphedDecoder:
             self._build(token)
         if chunk_is_full(state):
             close_chunk(state, token)
-            state.chunk_caches = [ring.pair() for ring in self.caches]
+        if state.carry is not self._carry:  # stepped since the last pass (here, or by decode_step)
             with torch.no_grad():
                 for name, weight in state.carry[0].items():
                     self.fast[name].copy_(weight)
+            self._carry = state.carry
         self.token.copy_(token)
         cos, sin = rope_tables(state, 1, token.device)
         self.cos.copy_(cos)
@@ -93,11 +94,12 @@ class GraphedDecoder:
         """The static buffers (the state's caches become `RingCache`s), then the pass: captured on CUDA
         after one eager run (compilation, launch plans) whose effects on the rings are undone."""
         state = self.state
-        with torch.no_grad():
-            self.prefix_caches = [RingCache.from_pair(*cache) for cache in state.prefix_caches]
-            self.caches = [RingCache.from_pair(*cache) for cache in state.caches]
+        with torch.no_grad():  # a state decoded by another GraphedDecoder already holds rings
+            self.prefix_caches = [as_ring(cache) for cache in state.prefix_caches]
+            self.caches = [as_ring(cache) for cache in state.caches]
         state.prefix_caches, state.caches = list(self.prefix_caches), list(self.caches)
         self.fast = {name: weight.detach().clone() for name, weight in state.carry[0].items()}
+        self._carry = state.carry
         self.token = torch.zeros_like(token)
         self.cos, self.sin = (t.clone() for t in rope_tables(state, 1, token.device))
         held = [t for ring in self.prefix_caches + self.caches for t in ring.buffers()]
@@ -120,9 +122,15 @@ class GraphedDecoder:
 
 
 def caches_full(blocks: list, caches: list) -> bool:
-    """Whether every block's cache holds its window - 1 keys (kept_keys): the shapes a graph keeps."""
-    return all(cache is not None and cache[0].shape[2] == block.kept_keys()
+    """Whether every block's cache holds its window - 1 keys (kept_keys; a `RingCache` always does): the
+    shapes a graph keeps."""
+    return all(isinstance(cache, RingCache) or (cache is not None and cache[0].shape[2] == block.kept_keys())
                for block, cache in zip(blocks, caches))  # fmt: skip
+
+
+def as_ring(cache) -> RingCache:
+    """A full window cache as a `RingCache`: a pair converted (new buffers), a ring as it is."""
+    return cache if isinstance(cache, RingCache) else RingCache.from_pair(*cache)
 
 
 def capture(

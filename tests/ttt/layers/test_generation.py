@@ -5,6 +5,8 @@ several inner steps, a masked target; without test-time training, the plain mode
 memory that stays flat, the errors, and the graphed prefill and decoding (`ttt.layers.graphed`): the
 eager logits, from static buffers (CPU) and from captured CUDA graphs (GPU)."""
 
+import functools
+
 import pytest
 import torch
 
@@ -210,6 +212,21 @@ def test_graphed_prefill_and_decoding_on_static_buffers_give_the_eager_logits(ca
     _, model = make(window=window)
     eager, graphed = both_ways(model, prompts(length), 4 * CHUNK + 3, adapt, capture=False)  # 4 closes
     torch.testing.assert_close(graphed, eager, rtol=0, atol=1e-12)
+
+
+def test_a_graphed_decoding_can_be_continued_eagerly_and_by_another_decoder():
+    _, model = make(window=9)
+    prompt = prompts(13)
+    eager_state, logits = prefill(model, prompt)
+    state, _ = prefill(model, prompt)
+    token = logits[:, -1].argmax(-1)
+    first, eager = GraphedDecoder(state, capture=False), functools.partial(decode_step, state)
+    steps = [first, eager, first, GraphedDecoder(state, capture=False), eager, first]
+    for index in range(6 * CHUNK):  # each way past a chunk close, the first decoder again after eager steps
+        want = decode_step(eager_state, token)
+        got = steps[index // CHUNK](token)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+        token = want.argmax(-1)
 
 
 def test_the_chunk_step_keeps_a_shape_per_cache_length_for_the_models_later_reads():
