@@ -21,7 +21,7 @@ The text goes to stdout as it is decoded; a progress bar of the prompt's reading
 stderr is a terminal or the prompt is long (LONG_PROMPT_CHUNKS chunks or more). On a CUDA device a
 sliding-window model reads the prompt's chunks and decodes each token as CUDA graphs (`--graphs auto`,
 the default; `ttt.layers.graphed`: the same results, about 5x faster prefill and 9x faster decoding of
-ttt_e2e_125m on an H100, docs/generation.md); --graphs off runs the eager code.
+ttt_e2e_125m on an H100 at `64a297c`, docs/generation.md); --graphs off runs the eager code.
 
 Exit status 2, with a message naming what is wrong: a run directory without a checkpoint (or not a
 run's), a tokenizer whose vocabulary does not fit the model's, a model that is not a TTT-E2E one, a
