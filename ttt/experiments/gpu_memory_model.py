@@ -22,8 +22,9 @@ plain ops' terms in brackets: RMSNorm computes in float32, hence their 4-byte te
 The first block's attention is not on the inner gradient's path (nothing before it is adapted): its
 B is e d + 3e f [8e f]. The head adds a norm's forward, 4V + 16 (float32 logits, tokens) and a norm's
 backward + (4 + e)V (inner gradient). Every forward (each inner step's and the outer one) makes its
-own float32 RoPE tables, 8 head_dim per token. Fixed: the weights the linear layers save, and one new
-copy of the adapted weights per second-order inner step.
+own float32 RoPE tables, 8 head_dim per token. Fixed: the weights the linear layers save, one new
+copy of the adapted weights per second-order inner step, and per inner step a new copy of the joined
+q and k projection weights (`project_many` concatenates them in every forward; wv too with qk_norm).
 
 The allocator's peak adds what backward passes hold only while they run (`transient_bytes`): for
 eager and sdpa_math the double backward of one attention holds about 6 more N x N tensors per head
@@ -64,6 +65,10 @@ class ModelDims:
     """Bytes of the adapted parameters (each second-order inner step makes and keeps a new copy)."""
     param_bytes: int
     """Bytes of all parameters (and so of their gradients)."""
+    joined_bytes: int
+    """Bytes of the attention weights `project_many` concatenates in every forward (wq and wk of every
+    block; wv too with qk_norm). The MLP's gate and up are concatenated too, but those copies stand in
+    for the adapted weights' (adapted_bytes)."""
     fused: bool
     """Whether the model runs the fused RMSNorm, SwiGLU and RoPE ops (its cfg.fused_ops)."""
 
@@ -83,6 +88,11 @@ class ModelDims:
             weight_bytes=sum(b for name, b in nbytes.items() if not name.startswith("embed.")),
             adapted_bytes=sum(nbytes[name] for name in adapted),
             param_bytes=sum(nbytes.values()),
+            joined_bytes=sum(
+                nbytes[f"layers.{i}.attn.{name}.weight"]
+                for i in range(len(model.layers))
+                for name in ("wq", "wk", "wv")[: 3 if model.cfg.qk_norm else 2]
+            ),
             fused=model.cfg.fused_ops,
         )
 
@@ -192,13 +202,14 @@ def predicted_bytes(
 
     Second order: k inner-step graphs (each with its new copy of the adapted weights) plus the outer
     forward graph (checkpointing: the larger of one inner step and the outer graph). First order: one
-    forward graph (the inner gradients are not kept). Both: the saved weights.
+    forward graph (the inner gradients are not kept). Both: the saved weights (the first forward's joined
+    q, k weights among them; each inner step's forward after it keeps its own, joined_bytes).
     """
     fixed = dims.weight_bytes
     outer = n * outer_graph(dims, backend, e).at(n)
     if order == "first":
         return fixed + outer
-    step = dims.adapted_bytes + n * inner_step_graph(dims, backend, e).at(n)
+    step = dims.adapted_bytes + dims.joined_bytes + n * inner_step_graph(dims, backend, e).at(n)
     return fixed + (max(step, outer) if checkpoint else k * step + outer)
 
 

@@ -42,8 +42,10 @@ h and W (lse, one float per row, and G, one (d,) vector per row, are what the fo
 memory is O(rows * d + block) instead of the O(rows * V) float32 logits, softmax and their gradients
 that autograd keeps for F.cross_entropy (twice over in a second-order graph). The matrix products run
 in the autocast dtype when autocast is on (as F.linear would), the softmax arithmetic in float32
-(float64 for float64 inputs), and on CUDA the element-wise work of a block is one compiled kernel or
-two that read the block's logits once (`torch.compile`), not a chain of float32 passes.
+(float64 for float64 inputs), the weight's gradient summed over the blocks in float32 (on CUDA by
+the products themselves: `accumulate_product`), and on CUDA the element-wise work of a block is one
+compiled kernel or two that read the block's logits once (`torch.compile`), not a chain of float32
+passes.
 """
 
 from __future__ import annotations
@@ -158,6 +160,20 @@ forward_terms = CompiledOnCuda(_forward_terms, "linear_cross_entropy")
 logit_grad = CompiledOnCuda(_logit_grad, "linear_cross_entropy")
 joint_terms = CompiledOnCuda(_joint_terms, "linear_cross_entropy")
 weight_grad_second = CompiledOnCuda(_weight_grad_second, "linear_cross_entropy")
+
+
+def accumulate_product(total: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:
+    """total += left @ right in place, for total (V, d) in the loss dtype and left (V, R), right (R, d) in
+    the compute dtype. In one product: addmm_ where the dtypes agree; on CUDA with half-precision
+    operands cuBLAS accumulates into float32 total itself (addmm's out_dtype), so neither a (V, d)
+    half-precision product nor a separate addition over it is made (and the product is not rounded to
+    half precision before it is added). Elsewhere the product is formed, then added."""
+    if left.dtype == total.dtype:
+        total.addmm_(left, right)
+    elif total.is_cuda and total.dtype == torch.float32:
+        torch.addmm(total, left, right, out_dtype=torch.float32, out=total)
+    else:
+        total += left @ right
 
 
 def _will_run(node) -> bool:
@@ -302,7 +318,7 @@ class _WeightGrad(torch.autograd.Function):
             h, w = config.cast(hidden), config.cast(weight)
             for rows in config.blocks(hidden.shape[0]):
                 dz = logit_grad(h[rows] @ w.t(), lse[rows], targets[rows], grad_losses[rows])
-                grad_weight += dz.t() @ h[rows]
+                accumulate_product(grad_weight, dz.t(), h[rows])
         ctx.save_for_backward(hidden, weight, targets, lse, grad_losses)
         ctx.config = config
         return grad_weight.to(weight.dtype)
@@ -327,7 +343,7 @@ class _WeightGrad(torch.autograd.Function):
                 if need_hidden:
                     d_hidden[rows] = (r @ w).to(d_hidden.dtype) + dz @ b
                 if need_weight:
-                    d_weight += r.t() @ h[rows]
+                    accumulate_product(d_weight, r.t(), h[rows])
         d_weight = None if d_weight is None else d_weight.to(weight.dtype)
         return d_hidden, d_weight, None, None, d_grad, None
 
@@ -352,8 +368,8 @@ class _JointBackward(torch.autograd.Function):
                 if want_hidden:
                     grad_hidden[rows] = r @ w
                 if want_weight:
-                    grad_weight += r.t() @ h[rows]
-                    grad_weight += p_minus.t() @ c[rows]
+                    accumulate_product(grad_weight, r.t(), h[rows])
+                    accumulate_product(grad_weight, p_minus.t(), c[rows])
         return grad_hidden, (None if grad_weight is None else grad_weight.to(weight.dtype))
 
     @staticmethod

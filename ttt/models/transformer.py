@@ -161,11 +161,31 @@ def project(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """layer(x) for x (B, N, in) -> (B, N, out), also when functional_call has given the layer one weight
     per sequence: weight (B, out, in) and bias (B, out) instead of (out, in) and (out,). Test-time
     training uses that to read several sequences at once, each with its own fast weights."""
-    weight, bias = layer.weight, layer.bias
+    return linear(x, layer.weight, layer.bias)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (B, N, in) @ weight^T + bias, for weight (out, in) and bias (out,) or None, or one per
+    sequence: weight (B, out, in) and bias (B, out). Returns (B, N, out)."""
     if weight.dim() == 2:
         return F.linear(x, weight, bias)
     out = torch.bmm(x, weight.transpose(1, 2))
     return out if bias is None else out + bias[:, None]
+
+
+def project_many(layers: list[nn.Linear], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(project(layer, x) for layer in layers) as one product: the layers' weights (out_i, in), or
+    (B, out_i, in) per sequence, and biases concatenated along the output dim. x (B, N, in) is read,
+    and cast under autocast, once, and its gradient is one product rather than a sum of len(layers)
+    products rounded to autocast's dtype. Returns views (B, N, out_i) of one (B, N, sum out_i) product;
+    separate products where the layers differ in kind (some weights per sequence, some biases None)."""
+    weights = [layer.weight for layer in layers]
+    biases = [layer.bias for layer in layers]
+    if len({(weight.dim(), bias is None) for weight, bias in zip(weights, biases, strict=True)}) > 1:
+        return tuple(linear(x, weight, bias) for weight, bias in zip(weights, biases, strict=True))
+    bias = None if biases[0] is None else torch.cat(biases, dim=-1)
+    out = linear(x, torch.cat(weights, dim=-2), bias)
+    return out.split([weight.shape[-2] for weight in weights], dim=-1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -206,9 +226,13 @@ class Attention(nn.Module):
         (N, head_dim)."""
         batch, seq, _ = x.shape
         cfg = self.cfg
-        q = project(self.wq, x).view(batch, seq, cfg.n_heads, cfg.head_dim).transpose(1, 2)
-        k = project(self.wk, x).view(batch, seq, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
-        v = project(self.wv, x).view(batch, seq, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
+        if self.q_norm is not None:  # the norms save q and k (views of the product): v's view keeps no more
+            q, k, v = project_many([self.wq, self.wk, self.wv], x)
+        else:  # rope does not save q and k: a view v of their product would keep it alive
+            (q, k), v = project_many([self.wq, self.wk], x), project(self.wv, x)
+        q = q.view(batch, seq, cfg.n_heads, cfg.head_dim).transpose(1, 2)
+        k = k.view(batch, seq, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
+        v = v.view(batch, seq, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
         if self.q_norm is not None:
             # Back to the projections' dtype: under autocast the norm's float32 gain promotes its output.
             q, k = per_head(self.q_norm, q).to(v.dtype), per_head(self.k_norm, k).to(v.dtype)
@@ -233,7 +257,7 @@ class SwiGLU(nn.Module):
         self.w_down = nn.Linear(d_ff, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = project(self.w_gate, x), project(self.w_up, x)
+        gate, up = project_many([self.w_gate, self.w_up], x)
         return project(self.w_down, swiglu(gate, up) if self.fused else F.silu(gate) * up)
 
 

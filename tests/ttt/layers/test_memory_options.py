@@ -69,7 +69,7 @@ class VocabProducts(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func._overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
+        if func._overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_):
             tensors = [tensor for tensor in (*args, out) if torch.is_tensor(tensor)]
             self.count += any(self.vocab in tensor.shape for tensor in tensors)
         return out
@@ -314,3 +314,35 @@ def test_linear_cross_entropy_under_bf16_autocast_is_as_close_as_plain_pytorch(r
         assert torch.isfinite(got).all()
         err, base_err = (got - ref).norm() / ref.norm(), (base - ref).norm() / ref.norm()
         assert err <= 2 * base_err + 1e-6, (err.item(), base_err.item())
+
+
+@pytest.mark.parametrize(
+    "device, dtype",
+    [
+        ("cpu", torch.float64),
+        ("cpu", torch.bfloat16),
+        pytest.param(
+            "cuda",
+            torch.bfloat16,
+            marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
+        ),
+    ],
+)
+def test_accumulate_product_adds_the_product_in_float32_in_place(device, dtype):
+    """total += left @ right into float32 total (the head weight's gradient over blocks of rows), in place,
+    against float64: same-dtype operands exact to float64's rounding, half-precision ones (on CUDA added
+    by the product itself) within a product's half-precision rounding; odd sizes; total poisoned
+    nowhere (its start is part of the sum)."""
+    from ttt.models.linear_cross_entropy import accumulate_product
+
+    gen = torch.Generator().manual_seed(3)
+    left = torch.randn(63, 37, generator=gen, dtype=DOUBLE).to(device=device, dtype=dtype)
+    right = torch.randn(37, 48, generator=gen, dtype=DOUBLE).to(device=device, dtype=dtype)
+    start = torch.randn(63, 48, generator=gen, dtype=DOUBLE)
+    total = start.to(device=device, dtype=DOUBLE if dtype == DOUBLE else torch.float32, copy=True)
+    storage = total.data_ptr()
+    accumulate_product(total, left.t().t(), right)
+    want = start + left.cpu().double() @ right.cpu().double()
+    assert total.data_ptr() == storage
+    tolerance = 1e-12 if dtype == DOUBLE else 0.02 * want.abs().max().item()
+    torch.testing.assert_close(total.cpu().double(), want, rtol=0, atol=tolerance)

@@ -101,3 +101,59 @@ def test_null_sizes_resolve_in_the_model_and_follow_d_model_in_the_config():
     assert model.layers[0].mlp.w_up.weight.shape == (256, 96)
     wider = load_config(["recipe=maml_longctx", "model.d_model=256"]).model
     assert wider.d_ff is None and wider.resolved().d_ff == 704  # 8/3 * 256 rounded up to 32
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("per_sequence", [False, True])
+def test_project_many_equals_the_separate_projections_in_value_and_gradient(bias, per_sequence):
+    """One product over the joined weights: the same outputs, and the same gradients in x and in every
+    weight and bias, as one product per layer (float64); per_sequence: weights (B, out, in) as
+    functional_call gives fast weights."""
+    from torch import nn
+
+    from ttt.models.transformer import project, project_many
+
+    gen = torch.Generator().manual_seed(0)
+    layers = [nn.Linear(5, out, bias=bias).double() for out in (4, 3, 3)]
+    x = torch.randn(2, 7, 5, dtype=torch.float64, generator=gen, requires_grad=True)
+    if per_sequence:
+        for layer in layers:
+            del layer.weight
+            layer.weight = torch.randn(
+                2, layer.out_features, 5, dtype=torch.float64, generator=gen
+            ).requires_grad_()
+            if bias:
+                del layer.bias
+                layer.bias = torch.randn(
+                    2, layer.out_features, dtype=torch.float64, generator=gen
+                ).requires_grad_()
+    leaves = [x, *(t for layer in layers for t in (layer.weight, layer.bias) if t is not None)]
+    cotangents = [
+        torch.randn(2, 7, layer.out_features, dtype=torch.float64, generator=gen) for layer in layers
+    ]
+
+    def value_and_grads(outs):
+        total = sum((out * cot).sum() for out, cot in zip(outs, cotangents, strict=True))
+        return [out.detach() for out in outs], torch.autograd.grad(total, leaves)
+
+    joined, joined_grads = value_and_grads(project_many(layers, x))
+    separate, separate_grads = value_and_grads([project(layer, x) for layer in layers])
+    assert [out.shape for out in joined] == [(2, 7, 4), (2, 7, 3), (2, 7, 3)]
+    for got, want in zip([*joined, *joined_grads], [*separate, *separate_grads], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_project_many_runs_separate_products_for_layers_of_different_kinds():
+    """A per-sequence weight beside a shared one (say only wq adapted) cannot be concatenated: each
+    layer gets its own product, with the same values."""
+    from torch import nn
+
+    from ttt.models.transformer import project, project_many
+
+    gen = torch.Generator().manual_seed(1)
+    shared, fast = nn.Linear(5, 4, bias=False).double(), nn.Linear(5, 4, bias=False).double()
+    del fast.weight
+    fast.weight = torch.randn(2, 4, 5, dtype=torch.float64, generator=gen)
+    x = torch.randn(2, 3, 5, dtype=torch.float64, generator=gen)
+    for got, layer in zip(project_many([shared, fast], x), (shared, fast), strict=True):
+        torch.testing.assert_close(got, project(layer, x), rtol=0, atol=0)
