@@ -4,6 +4,10 @@ without the second-order term.
 
     python -m ttt.experiments.scale recipe=ttt_e2e_125m [key=value ...] [--steps 3]
         [--modes second,first,off] [--out results.jsonl] [--profile] [--sources]
+    python -m ttt.experiments.scale recipe=ttt_e2e_125m --modes second --base COMMIT_OR_DIR [--rounds 2]
+
+With --base, an A/B: this tree against the base, each measured by its own code in a process of its
+own, alternating round by round, then this / base per mode with its spread (`ttt.experiments.step_ab`).
 
 Modes: second (the recipe as configured: exact second order), first (inner.first_order=true), off
 (ttt.enabled=false: the same model without test-time training). Each mode builds the learner afresh,
@@ -39,6 +43,7 @@ from ttt.meta.sharding import SecondOrderFSDPStrategy
 from ttt.models import TransformerConfig
 from ttt.tracking import OuterStepTimer
 
+from . import step_ab
 from .json_lines import emit
 from .meta_step_probe import is_out_of_memory
 from .step_profile import StepProfiler
@@ -195,11 +200,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="append one JSON line per mode to this file")
     parser.add_argument("--profile", action="store_true", help="profile one more step's kernels")
     parser.add_argument("--sources", action="store_true", help="attribute one more step's kernel time")
+    parser.add_argument("--base", help="A/B against this commit or directory (ttt.experiments.step_ab)")
+    parser.add_argument("--rounds", type=int, default=2, help="with --base: rounds, each tree once a round")
     args = parser.parse_intermixed_args(argv)
     modes = args.modes.split(",")
     unknown = [mode for mode in modes if mode not in MODES]
     if unknown or args.steps < 1:
         parser.error(f"--modes must be of {list(MODES)} (got {unknown}), --steps >= 1 (got {args.steps})")
+    if args.base is not None:
+        if args.profile or args.sources or args.rounds < 1:
+            parser.error(f"--base takes --rounds >= 1 (got {args.rounds}), and no --profile or --sources")
+        try:
+            step_ab.run(args.overrides, modes, args.steps, args.base, args.rounds, args.out)
+        except (ValueError, RuntimeError) as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2 if isinstance(err, ValueError) else 1
+        return 0
     for mode in modes:
         row = measure(args.overrides + MODES[mode], args.steps, args.profile, args.sources)
         emit({"mode": mode, **row}, args.out)

@@ -61,3 +61,44 @@ def test_a_row_under_fsdp_with_cpu_offload_on_one_device(tmp_path):
     strategy = scale.one_device_strategy(load_config(args))
     assert isinstance(strategy, SecondOrderFSDPStrategy) and strategy.cpu_offload
     assert scale.one_device_strategy(load_config(args[:4])) == "auto"
+
+
+@pytest.mark.slow
+def test_an_ab_against_a_base_directory_alternates_the_trees_and_sums_up_the_ratio(tmp_path, capsys):
+    """--base DIR --rounds 2: each round runs both trees, in alternating order, each in a process of its
+    own running its own code (the base copy's scale.py marks its rows); the summary gives this / base."""
+    import shutil
+
+    from ttt.experiments import step_ab
+
+    base = tmp_path / "base"
+    for folder in step_ab.PROJECT_FOLDERS:
+        shutil.copytree(step_ab.this_tree().root + "/" + folder, base / folder,
+                        ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
+    marked = base / "ttt" / "experiments" / "scale.py"
+    mark = ('emit({"mode": mode, **row}', 'emit({"mode": mode, "copy": 1, **row}')
+    marked.write_text(marked.read_text().replace(*mark))
+    out = tmp_path / "rows.jsonl"
+    args = ["recipe=ttt_e2e", "trainer.meta_batch_size=2", "data.seq_len=32", "model.attention=eager"]
+    options = ["--steps", "1", "--modes", "off", "--base", str(base), "--rounds", "2", "--out", str(out)]
+    assert scale.main([*args, *options]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    order = [(row["round"], row["tree"]) for row in rows]
+    assert order == [(0, "this"), (0, "base"), (1, "base"), (1, "this")]
+    assert all(("copy" in row) == (row["tree"] == "base") for row in rows)
+    assert all(row["status"] == "ok" and row["s_per_step"] > 0 for row in rows)
+    assert {row["code"] for row in rows if row["tree"] == "base"} == {str(base)}  # no .git there
+    table = capsys.readouterr().out
+    assert "| mode | this s/step by round | base s/step by round | this / base" in table
+    (line,) = [line for line in table.splitlines() if line.startswith("| off |")]
+    ratios = [rows[3]["s_per_step"] / rows[2]["s_per_step"], rows[0]["s_per_step"] / rows[1]["s_per_step"]]
+    assert f"{sorted(ratios)[0]:.3f}, {sorted(ratios)[1]:.3f}]" in line
+
+
+def test_a_base_that_is_neither_a_tree_nor_a_commit_is_named(tmp_path, capsys):
+    args = ["recipe=ttt_e2e", "--steps", "1", "--modes", "off", "--base", str(tmp_path / "nowhere")]
+    assert scale.main(args) == 2
+    err = capsys.readouterr().err
+    assert "--base must be a directory holding ttt/experiments/scale.py or a commit" in err
+    with pytest.raises(SystemExit):
+        scale.main(["recipe=ttt_e2e", "--base", str(tmp_path), "--profile"])

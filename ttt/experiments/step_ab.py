@@ -1,0 +1,146 @@
+"""Same-session A/B of the outer step: `ttt.experiments.scale`'s measurement of this tree and of a base
+(a commit or a directory), alternated round by round, each in a process of its own.
+
+    python -m ttt.experiments.scale recipe=ttt_e2e_125m --modes second --steps 3 --base main --rounds 2
+
+Each round runs every mode once per tree, in an order that alternates (this, base; base, this; ...),
+so that a drift of the machine (clocks, temperature, a neighbour) does not favour one side. A tree's
+process runs its own code: `python -m ttt.experiments.scale` in the tree's directory with that directory
+first on PYTHONPATH (the packages it does not hold come from this environment). Rows are the scale
+rows with "tree" ("this" or "base"), "code" (the commit, "-dirty" for a changed checkout, or the
+directory) and "round" added. The summary gives, per mode, each round's s_per_step of both trees, and
+this / base round by round with its median and [min, max] over the rounds (the spread: an interval
+that holds 1.00 is no difference measured).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+from dataclasses import dataclass
+
+from .json_lines import emit
+
+PROJECT_FOLDERS = ("ttt", "flashbob", "recipes", "configs")
+"""What a tree needs to run the step (a commit is extracted with these; an older one may lack flashbob/,
+then named kernels/, which `git archive` skips)."""
+
+
+@dataclass(frozen=True)
+class Tree:
+    """One side of the A/B: its label, the directory its code runs from, and what that code is."""
+
+    label: str
+    root: str
+    code: str
+
+
+def this_tree() -> Tree:
+    """This checkout: the directory holding the ttt package, its commit where git can name it."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return Tree("this", root, describe(root))
+
+
+def describe(root: str) -> str:
+    """root's short commit with "-dirty" for uncommitted changes, or the directory where git cannot
+    name one (a copy without .git)."""
+    try:
+        commit = git(root, "rev-parse", "--short", "HEAD").strip()
+        changes = git(root, "status", "--porcelain", "--untracked-files=no", "--", *PROJECT_FOLDERS)
+    except (OSError, subprocess.CalledProcessError):
+        return os.path.abspath(root)
+    return commit + ("-dirty" if changes.strip() else "")
+
+
+def git(root: str, *args: str) -> str:
+    """git's standard output for `git -C root args...` (CalledProcessError when it fails)."""
+    return subprocess.run(["git", "-C", root, *args], capture_output=True, text=True, check=True).stdout
+
+
+def base_tree(where: str) -> Tree:
+    """The base side: a directory holding ttt/experiments/scale.py, or a commit of this checkout,
+    extracted with `git archive` into a temporary directory. ValueError naming --base otherwise."""
+    if os.path.isfile(os.path.join(where, "ttt", "experiments", "scale.py")):
+        return Tree("base", os.path.abspath(where), describe(where))
+    here = this_tree().root
+    try:
+        commit = git(here, "rev-parse", "--short", f"{where}^{{commit}}").strip()
+        archive = subprocess.run(
+            ["git", "-C", here, "archive", commit, *PROJECT_FOLDERS], capture_output=True, check=True
+        ).stdout
+    except (OSError, subprocess.CalledProcessError) as err:
+        raise ValueError(
+            f"--base must be a directory holding ttt/experiments/scale.py or a commit git can archive "
+            f"here; got {where!r} ({getattr(err, 'stderr', b'') or err})"
+        ) from err
+    target = tempfile.mkdtemp(prefix=f"step_ab_{commit}_")
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(target, filter="data")
+    return Tree("base", target, commit)
+
+
+def measure_tree(tree: Tree, overrides: list[str], modes: list[str], steps: int) -> list[dict]:
+    """The scale rows of `modes` (one per mode) measured by the tree's own code in a new process.
+    RuntimeError with the process's last output lines when it fails."""
+    with tempfile.TemporaryDirectory() as scratch:
+        out = os.path.join(scratch, "rows.jsonl")
+        command = [sys.executable, "-m", "ttt.experiments.scale", *overrides]
+        command += ["--steps", str(steps), "--modes", ",".join(modes), "--out", out]
+        path = os.pathsep.join(filter(None, [tree.root, os.environ.get("PYTHONPATH")]))
+        env = dict(os.environ, PYTHONPATH=path)
+        done = subprocess.run(command, cwd=tree.root, env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            tail = "\n".join((done.stdout + done.stderr).splitlines()[-15:])
+            raise RuntimeError(f"the {tree.label} tree ({tree.code}) exited with {done.returncode}:\n{tail}")
+        with open(out) as handle:
+            return [json.loads(line) for line in handle if line.strip()]
+
+
+def run(
+    overrides: list[str], modes: list[str], steps: int, base: str, rounds: int, out: str | None
+) -> list[dict]:
+    """The A/B (module docstring): rounds x trees x modes rows, emitted as they come (printed, and
+    appended to out), then the summary printed. Returns the rows."""
+    trees = [this_tree(), base_tree(base)]
+    rows = []
+    for number in range(rounds):
+        for tree in trees if number % 2 == 0 else trees[::-1]:
+            for row in measure_tree(tree, overrides, modes, steps):
+                row = {**row, "tree": tree.label, "code": tree.code, "round": number}
+                emit(row, out)
+                rows.append(row)
+    print(summary(rows, trees))
+    return rows
+
+
+def summary(rows: list[dict], trees: list[Tree]) -> str:
+    """Markdown table: per mode, each tree's s_per_step by round and this / base by round with its
+    median [min, max]; a mode either tree did not run ("oom" or another status) shows its status."""
+    this, base = trees
+    lines = [
+        f"this = {this.code}, base = {base.code}",
+        "",
+        "| mode | this s/step by round | base s/step by round | this / base (median [min, max]) |",
+        "|---|---|---|---|",
+    ]
+    for mode in dict.fromkeys(row["mode"] for row in rows):
+        times = {
+            label: [row.get("s_per_step") for row in rows if row["mode"] == mode and row["tree"] == label]
+            for label in ("this", "base")
+        }
+        cells = [", ".join("-" if t is None else f"{t:.3f}" for t in times[label]) for label in times]
+        if any(t is None for t in times["this"] + times["base"]):
+            ratio = "not every round ran: " + ", ".join(
+                sorted({row["status"] for row in rows if row["mode"] == mode and row["status"] != "ok"})
+            )
+        else:
+            ratios = [a / b for a, b in zip(times["this"], times["base"], strict=True)]
+            ratio = f"{statistics.median(ratios):.3f} [{min(ratios):.3f}, {max(ratios):.3f}]"
+        lines.append(f"| {mode} | {cells[0]} | {cells[1]} | {ratio} |")
+    return "\n".join(lines)
