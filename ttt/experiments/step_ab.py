@@ -18,6 +18,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -34,11 +35,13 @@ then named kernels/, which `git archive` skips)."""
 
 @dataclass(frozen=True)
 class Tree:
-    """One side of the A/B: its label, the directory its code runs from, and what that code is."""
+    """One side of the A/B: its label, the directory its code runs from, what that code is, and whether
+    the directory is a temporary extraction (removed after the A/B)."""
 
     label: str
     root: str
     code: str
+    extracted: bool = False
 
 
 def this_tree() -> Tree:
@@ -82,7 +85,7 @@ def base_tree(where: str) -> Tree:
     target = tempfile.mkdtemp(prefix=f"step_ab_{commit}_")
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
         tar.extractall(target, filter="data")
-    return Tree("base", target, commit)
+    return Tree("base", target, commit, extracted=True)
 
 
 def measure_tree(tree: Tree, overrides: list[str], modes: list[str], steps: int) -> list[dict]:
@@ -109,12 +112,16 @@ def run(
     appended to out), then the summary printed. Returns the rows."""
     trees = [this_tree(), base_tree(base)]
     rows = []
-    for number in range(rounds):
-        for tree in trees if number % 2 == 0 else trees[::-1]:
-            for row in measure_tree(tree, overrides, modes, steps):
-                row = {**row, "tree": tree.label, "code": tree.code, "round": number}
-                emit(row, out)
-                rows.append(row)
+    try:
+        for number in range(rounds):
+            for tree in trees if number % 2 == 0 else trees[::-1]:
+                for row in measure_tree(tree, overrides, modes, steps):
+                    row = {**row, "tree": tree.label, "code": tree.code, "round": number}
+                    emit(row, out)
+                    rows.append(row)
+    finally:
+        if trees[1].extracted:
+            shutil.rmtree(trees[1].root, ignore_errors=True)
     print(summary(rows, trees))
     return rows
 

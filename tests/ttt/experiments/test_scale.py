@@ -2,6 +2,7 @@
 count by hand, and bad arguments named."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -102,3 +103,24 @@ def test_a_base_that_is_neither_a_tree_nor_a_commit_is_named(tmp_path, capsys):
     assert "--base must be a directory holding ttt/experiments/scale.py or a commit" in err
     with pytest.raises(SystemExit):
         scale.main(["recipe=ttt_e2e", "--base", str(tmp_path), "--profile"])
+
+
+def test_a_base_commit_is_extracted_with_the_project_folders():
+    """--base COMMIT: `git archive` of ttt/, flashbob/, recipes/ and configs/ into a directory of its own,
+    named by the short commit."""
+    import shutil
+    import subprocess
+
+    from ttt.experiments import step_ab
+
+    root = step_ab.this_tree().root
+    try:
+        head = step_ab.git(root, "rev-parse", "--short", "HEAD").strip()
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("this tree is not a git checkout")
+    tree = step_ab.base_tree("HEAD")
+    assert tree.label == "base" and tree.code == head and tree.root != root and tree.extracted
+    wanted = ("ttt/experiments/scale.py", "flashbob/api.py", "recipes/__init__.py", "configs/ttt_e2e.yaml")
+    for path in wanted:
+        assert (Path(tree.root) / path).is_file(), path
+    shutil.rmtree(tree.root)
