@@ -20,6 +20,7 @@ Recording the host slows it, so wall_ms and busy_fraction of such a profile over
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -71,9 +72,12 @@ def summarize_kernels(kernels: list[tuple[str, float, int]], wall_ms: float, top
 
 
 PROJECT_ROOT = str(Path(__file__).resolve().parents[2])
+PROJECT_ROOTS = tuple(dict.fromkeys([str(Path(os.path.abspath(__file__)).parents[2]), PROJECT_ROOT]))
+"""The repository's directory as the profiler may name it: as imported, and with symlinks resolved."""
 PROJECT_PACKAGES = ("ttt/", "flashbob/", "recipes/")
 """A frame is the project's where its file is in one of these packages: the profiler names a file by its
-path under the sys.path entry it was imported from ("ttt/models/mlp.py(20): forward"), or in full."""
+path under the sys.path entry it was imported from ("ttt/models/mlp.py(20): forward"), or in full, under
+either of PROJECT_ROOTS."""
 NODE_PREFIX = "autograd::engine::evaluate_function: "
 
 
@@ -81,9 +85,10 @@ def project_frame(stack: Iterable[str] | None) -> str | None:
     """The innermost frame ("path(line): function") of a profiler event's Python stack (innermost first)
     in the project's code (`PROJECT_PACKAGES`), its path relative to the repository; or None."""
     for frame in stack or ():
-        relative = frame.removeprefix(PROJECT_ROOT).lstrip("/")
-        if relative.startswith(PROJECT_PACKAGES):
-            return relative
+        for root in PROJECT_ROOTS:
+            relative = frame.removeprefix(root).lstrip("/")
+            if relative.startswith(PROJECT_PACKAGES):
+                return relative
     return None
 
 

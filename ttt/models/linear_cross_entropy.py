@@ -162,15 +162,20 @@ joint_terms = CompiledOnCuda(_joint_terms, "linear_cross_entropy")
 weight_grad_second = CompiledOnCuda(_weight_grad_second, "linear_cross_entropy")
 
 
+ADDMM_OUT_DTYPE = "dtype_out" in torch.ops.aten.addmm.overloads()
+"""Whether this torch's addmm takes out_dtype (torch >= 2.8): half-precision operands, a float32 result."""
+
+
 def accumulate_product(total: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:
     """total += left @ right in place, for total (V, d) in the loss dtype and left (V, R), right (R, d) in
     the compute dtype. In one product: addmm_ where the dtypes agree; on CUDA with half-precision
     operands cuBLAS accumulates into float32 total itself (addmm's out_dtype), so neither a (V, d)
     half-precision product nor a separate addition over it is made (and the product is not rounded to
-    half precision before it is added). Elsewhere the product is formed, then added."""
+    half precision before it is added). Elsewhere (or before torch 2.8) the product is formed, then
+    added."""
     if left.dtype == total.dtype:
         total.addmm_(left, right)
-    elif total.is_cuda and total.dtype == torch.float32:
+    elif ADDMM_OUT_DTYPE and total.is_cuda and total.dtype == torch.float32:
         torch.addmm(total, left, right, out_dtype=torch.float32, out=total)
     else:
         total += left @ right

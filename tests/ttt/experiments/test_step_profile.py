@@ -71,3 +71,14 @@ def test_project_frame_is_the_innermost_frame_in_the_project_packages():
     assert project_frame(stack) == "ttt/models/mlp.py(20): forward"
     assert project_frame([f"{PROJECT_ROOT}/flashbob/api.py(3): f"]) == "flashbob/api.py(3): f"
     assert project_frame(stack[:1]) is None and project_frame(None) is None
+
+
+def test_a_frame_under_the_repository_as_imported_or_resolved_is_the_projects(monkeypatch):
+    """A checkout reached through a symlink: the profiler names files by the path they were imported
+    from, which differs from the resolved one; both are the project's."""
+    from ttt.experiments import step_profile
+
+    monkeypatch.setattr(step_profile, "PROJECT_ROOTS", ("/link/repo", "/disk/repo"))
+    assert step_profile.project_frame(["/link/repo/ttt/a.py(1): f"]) == "ttt/a.py(1): f"
+    assert step_profile.project_frame(["/disk/repo/flashbob/b.py(2): g"]) == "flashbob/b.py(2): g"
+    assert step_profile.project_frame(["/elsewhere/ttt/a.py(1): f"]) is None
