@@ -179,6 +179,8 @@ def project_many(layers: list[nn.Linear], x: torch.Tensor) -> tuple[torch.Tensor
     and cast under autocast, once, and its gradient is one product rather than a sum of len(layers)
     products rounded to autocast's dtype. Returns views (B, N, out_i) of one (B, N, sum out_i) product;
     separate products where the layers differ in kind (some weights per sequence, some biases None)."""
+    if not layers:
+        raise ValueError("project_many needs at least one layer, got none")
     weights = [layer.weight for layer in layers]
     biases = [layer.bias for layer in layers]
     if len({(weight.dim(), bias is None) for weight, bias in zip(weights, biases, strict=True)}) > 1:

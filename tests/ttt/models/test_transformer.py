@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ttt.models import Transformer, TransformerConfig
 
@@ -136,11 +137,27 @@ def test_project_many_equals_the_separate_projections_in_value_and_gradient(bias
         total = sum((out * cot).sum() for out, cot in zip(outs, cotangents, strict=True))
         return [out.detach() for out in outs], torch.autograd.grad(total, leaves)
 
-    joined, joined_grads = value_and_grads(project_many(layers, x))
+    with ProductCount() as products:
+        joined_out = project_many(layers, x)
+    assert products.count == 1  # one product over the joined weights, not one per layer
+    joined, joined_grads = value_and_grads(joined_out)
     separate, separate_grads = value_and_grads([project(layer, x) for layer in layers])
     assert [out.shape for out in joined] == [(2, 7, 4), (2, 7, 3), (2, 7, 3)]
     for got, want in zip([*joined, *joined_grads], [*separate, *separate_grads], strict=True):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+class ProductCount(TorchDispatchMode):
+    """Counts the matrix products (mm, addmm, bmm, baddbmm) run inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        products = (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm)
+        self.count += func._overloadpacket in products
+        return func(*args, **(kwargs or {}))
 
 
 def test_project_many_runs_separate_products_for_layers_of_different_kinds():
@@ -157,3 +174,5 @@ def test_project_many_runs_separate_products_for_layers_of_different_kinds():
     x = torch.randn(2, 3, 5, dtype=torch.float64, generator=gen)
     for got, layer in zip(project_many([shared, fast], x), (shared, fast), strict=True):
         torch.testing.assert_close(got, project(layer, x), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="at least one layer"):
+        project_many([], x)
