@@ -15,24 +15,31 @@ import sys
 import torch
 
 
-def _git(*args: str) -> str | None:
+def _git(*args: str, root: str | None = None) -> str | None:
+    where = [] if root is None else ["-C", root]
     try:
-        done = subprocess.run(["git", *args], capture_output=True, text=True, check=True, timeout=10)
+        done = subprocess.run(["git", *where, *args], capture_output=True, text=True, check=True, timeout=10)
         return done.stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
 
 
-def commit() -> str:
-    """$FLASHBOB_COMMIT when set (a copy of the tree whose .git, if any, is not the tree's own: the
-    GPU machine's copy carried a stale .git and reported another commit), else HEAD's short hash (with
-    "+dirty" when tracked files differ), else "unknown"."""
-    if os.environ.get("FLASHBOB_COMMIT"):
+def commit(root: str | None = None) -> str:
+    """The commit of the working directory's checkout, or of the checkout at `root`: $FLASHBOB_COMMIT
+    when set and root is None (a copy of the tree whose .git, if any, is not the tree's own: the GPU
+    machine's copy carried a stale .git and reported another commit), else HEAD's short hash (with
+    "+dirty" when tracked files differ), else "unknown" (also for a root that is not the top of a
+    checkout, such as a copy inside another one)."""
+    if root is None and os.environ.get("FLASHBOB_COMMIT"):
         return os.environ["FLASHBOB_COMMIT"]
-    head = _git("rev-parse", "--short=12", "HEAD")
+    if root is not None:
+        top = _git("rev-parse", "--show-toplevel", root=root)
+        if top is None or os.path.realpath(top) != os.path.realpath(root):
+            return "unknown"
+    head = _git("rev-parse", "--short=12", "HEAD", root=root)
     if head is None:
         return "unknown"
-    return head + ("+dirty" if _git("status", "--porcelain", "--untracked-files=no") else "")
+    return head + ("+dirty" if _git("status", "--porcelain", "--untracked-files=no", root=root) else "")
 
 
 def _version(module: str) -> str | None:

@@ -7,7 +7,7 @@ Each round runs every mode once per tree, in an order that alternates (this, bas
 so that a drift of the machine (clocks, temperature, a neighbour) does not favour one side. A tree's
 process runs its own code: `python -m ttt.experiments.scale` in the tree's directory with that directory
 first on PYTHONPATH (the packages it does not hold come from this environment). Rows are the scale
-rows with "tree" ("this" or "base"), "code" (the commit, "-dirty" for a changed checkout, or the
+rows with "tree" ("this" or "base"), "code" (the commit, "+dirty" for a changed checkout, or the
 directory) and "round" added. The summary gives, per mode, each round's s_per_step of both trees, and
 this / base round by round with its median and [min, max] over the rounds (the spread: an interval
 that holds 1.00 is no difference measured).
@@ -19,12 +19,14 @@ import io
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tarfile
 import tempfile
 from dataclasses import dataclass
+
+from flashbob.bench.ab import spread
+from flashbob.environment import commit
 
 from .json_lines import emit
 
@@ -45,20 +47,17 @@ class Tree:
 
 
 def this_tree() -> Tree:
-    """This checkout: the directory holding the ttt package, its commit where git can name it."""
+    """This checkout: the directory holding the ttt package, its commit where git can name it
+    ($FLASHBOB_COMMIT when set, as for every benchmark record: a copy whose .git is stale)."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    return Tree("this", root, describe(root))
+    return Tree("this", root, os.environ.get("FLASHBOB_COMMIT") or code_of(root))
 
 
-def describe(root: str) -> str:
-    """root's short commit with "-dirty" for uncommitted changes, or the directory where git cannot
-    name one (a copy without .git)."""
-    try:
-        commit = git(root, "rev-parse", "--short", "HEAD").strip()
-        changes = git(root, "status", "--porcelain", "--untracked-files=no", "--", *PROJECT_FOLDERS)
-    except (OSError, subprocess.CalledProcessError):
-        return os.path.abspath(root)
-    return commit + ("-dirty" if changes.strip() else "")
+def code_of(root: str) -> str:
+    """root's commit (`flashbob.environment.commit`: "+dirty" for uncommitted changes), or the directory
+    where git cannot name one (a copy without .git of its own)."""
+    code = commit(root)
+    return os.path.abspath(root) if code == "unknown" else code
 
 
 def git(root: str, *args: str) -> str:
@@ -70,22 +69,22 @@ def base_tree(where: str) -> Tree:
     """The base side: a directory holding ttt/experiments/scale.py, or a commit of this checkout,
     extracted with `git archive` into a temporary directory. ValueError naming --base otherwise."""
     if os.path.isfile(os.path.join(where, "ttt", "experiments", "scale.py")):
-        return Tree("base", os.path.abspath(where), describe(where))
+        return Tree("base", os.path.abspath(where), code_of(where))
     here = this_tree().root
     try:
-        commit = git(here, "rev-parse", "--short", f"{where}^{{commit}}").strip()
+        sha = git(here, "rev-parse", "--short=12", f"{where}^{{commit}}").strip()
         archive = subprocess.run(
-            ["git", "-C", here, "archive", commit, *PROJECT_FOLDERS], capture_output=True, check=True
+            ["git", "-C", here, "archive", sha, *PROJECT_FOLDERS], capture_output=True, check=True
         ).stdout
     except (OSError, subprocess.CalledProcessError) as err:
         raise ValueError(
             f"--base must be a directory holding ttt/experiments/scale.py or a commit git can archive "
             f"here; got {where!r} ({getattr(err, 'stderr', b'') or err})"
         ) from err
-    target = tempfile.mkdtemp(prefix=f"step_ab_{commit}_")
+    target = tempfile.mkdtemp(prefix=f"step_ab_{sha}_")
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
         tar.extractall(target, filter="data")
-    return Tree("base", target, commit, extracted=True)
+    return Tree("base", target, sha, extracted=True)
 
 
 def measure_tree(tree: Tree, overrides: list[str], modes: list[str], steps: int) -> list[dict]:
@@ -147,7 +146,7 @@ def summary(rows: list[dict], trees: list[Tree]) -> str:
                 sorted({row["status"] for row in rows if row["mode"] == mode and row["status"] != "ok"})
             )
         else:
-            ratios = [a / b for a, b in zip(times["this"], times["base"], strict=True)]
-            ratio = f"{statistics.median(ratios):.3f} [{min(ratios):.3f}, {max(ratios):.3f}]"
+            middle, low, high = spread([a / b for a, b in zip(times["this"], times["base"], strict=True)])
+            ratio = f"{middle:.3f} [{low:.3f}, {high:.3f}]"
         lines.append(f"| {mode} | {cells[0]} | {cells[1]} | {ratio} |")
     return "\n".join(lines)

@@ -115,7 +115,7 @@ def test_a_base_commit_is_extracted_with_the_project_folders():
 
     root = step_ab.this_tree().root
     try:
-        head = step_ab.git(root, "rev-parse", "--short", "HEAD").strip()
+        head = step_ab.git(root, "rev-parse", "--short=12", "HEAD").strip()
     except (OSError, subprocess.CalledProcessError):
         pytest.skip("this tree is not a git checkout")
     tree = step_ab.base_tree("HEAD")
@@ -124,3 +124,20 @@ def test_a_base_commit_is_extracted_with_the_project_folders():
     for path in wanted:
         assert (Path(tree.root) / path).is_file(), path
     shutil.rmtree(tree.root)
+
+
+def test_a_tree_is_named_by_its_own_checkout_only():
+    """The checkout's top names its commit (flashbob.environment's, "+dirty" when changed); a folder
+    inside it, like a copy of another tree kept there, is not that commit: it is named by its path."""
+    import subprocess
+
+    from ttt.experiments import step_ab
+
+    root = step_ab.this_tree().root
+    try:
+        head = step_ab.git(root, "rev-parse", "--short=12", "HEAD").strip()
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("this tree is not a git checkout")
+    assert step_ab.code_of(root).removesuffix("+dirty") == head
+    assert step_ab.code_of(f"{root}/ttt") == f"{root}/ttt"
+
