@@ -31,8 +31,9 @@ from flashbob.environment import commit
 from .json_lines import emit
 
 PROJECT_FOLDERS = ("ttt", "flashbob", "recipes", "configs")
-"""What a tree needs to run the step (a commit is extracted with these; an older one may lack flashbob/,
-then named kernels/, which `git archive` skips)."""
+"""What a tree needs to run the step, the folders a commit is extracted with (a commit from before the
+kernels/ -> flashbob/ rename has no flashbob/: `git archive` refuses it; pass such a tree as a
+directory)."""
 
 
 @dataclass(frozen=True)
