@@ -7,13 +7,15 @@ by the `ChunkedReader` engine, the blocks before them (the prefix) once over the
         gives a block with shares_prefix under full causal attention one `PrefixCache` for the whole
         read), and the head scores its next tokens (`_score`).
 
-ttt.checkpoint_prefix recomputes each prefix block in the outer backward (only its input is saved).
+ttt.checkpoint_prefix recomputes each prefix block in the outer backward (only its input is saved);
+ttt.compile_prefix runs the prefix blocks through torch.compile on CUDA (`run_prefix_block`).
 Subclasses: `TTTTransformer` (fast-weight MLPs), `NeuralMemoryTransformer` (memory blocks).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import nn
@@ -25,6 +27,22 @@ from ttt.models.transformer import Block, Transformer, next_token_losses, rope_c
 from .config import TTTConfig
 from .reader import Chunk, ChunkedReader, ReadOptions
 from .suffix_block import detach_cache
+
+
+def _run_block(block: nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return block(hidden, cos, sin)
+
+
+_compiled_run_block = torch.compile(_run_block)
+
+
+def run_prefix_block(
+    block: nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, compiled: bool
+) -> torch.Tensor:
+    """block(hidden (B, N, d_model), cos, sin (N, head_dim)) -> (B, N, d_model); compiled: through
+    torch.compile, one graph for every block of one structure (the parameters are the graph's inputs,
+    not constants), differentiable once: a second derivative through it raises torch's error."""
+    return (_compiled_run_block if compiled else _run_block)(block, hidden, cos, sin)
 
 
 class SuffixReader(ChunkedReader):
@@ -89,11 +107,12 @@ class SuffixReader(ChunkedReader):
         of the absolute positions, as one chunk; the prefix keeps its graph only for an outer gradient."""
         cos, sin = self.rope_tables(tokens.shape[1], tokens.device)
         grad = options.outer_grad and torch.is_grad_enabled()
+        run = partial(run_prefix_block, compiled=self.ttt_cfg.compile_prefix and tokens.is_cuda)
         with torch.set_grad_enabled(grad):
             hidden = self.embed(tokens)
             for block in self.layers[: self.first_suffix]:
                 hidden = maybe_checkpoint(
-                    block, hidden, cos, sin, enabled=grad and self.ttt_cfg.checkpoint_prefix
+                    run, block, hidden, cos, sin, enabled=grad and self.ttt_cfg.checkpoint_prefix
                 )
         return Chunk(hidden, tokens[:, 1:], cos, sin, mask=None, last=True)
 

@@ -11,6 +11,9 @@ derivative is not provided (nothing here needs one). `rope` is linear in x, so i
 transposed rotation, an op of the same class, and it is differentiable any number of times. Each op
 also has forward-mode derivatives (`jvp`) at both levels, so `torch.func.jvp` and forward-over-reverse
 Hessian-vector products work (under `torch.func.grad` too); `torch.func.vmap` is not supported.
+Inside a region that torch.compile traces (`ttt.compile_prefix`) each op is its plain math instead: the
+compiler fuses it with its neighbours and derives its first derivative (a compiled graph is
+differentiable once).
 
 Per row (the last dim, size n; means are over it), with cotangents g of an op's outputs, u and v of the
 VJP op's outputs, and tangents x', w', g', ... in forward mode:
@@ -83,10 +86,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x). x (..., dim); weight (dim,), or (B, dim) with x (B, N, dim): one weight per sequence (what
     functional_call gives a norm whose weight is a per-sequence fast weight). Returns (..., dim) in
     promote_types(weight.dtype, x.dtype). First and second derivatives exact (module docstring)."""
+    norm = _rms_norm if torch.compiler.is_compiling() else _RMSNorm.apply
     if weight.dim() == 1 and weight.shape[0] == x.shape[-1]:
-        return _RMSNorm.apply(x, weight, eps)
+        return norm(x, weight, eps)
     if weight.dim() == 2 and x.dim() == 3 and weight.shape == (x.shape[0], x.shape[-1]):
-        return _RMSNorm.apply(x, weight[:, None], eps)
+        return norm(x, weight[:, None], eps)
     raise ValueError(
         f"rms_norm's weight must be ({x.shape[-1]},) or, for x (B, N, dim), (B, dim); got weight "
         f"{tuple(weight.shape)} for x {tuple(x.shape)}"
@@ -101,7 +105,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         raise ValueError(
             f"swiglu needs gate and up of one shape, got {tuple(gate.shape)} and {tuple(up.shape)}"
         )
-    return _SwiGLU.apply(gate, up)
+    return (_swiglu if torch.compiler.is_compiling() else _SwiGLU.apply)(gate, up)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -115,7 +119,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         )
     if cos.requires_grad or sin.requires_grad:
         raise ValueError("rope's cos and sin tables must be constants (no gradient flows into them)")
-    return _Rope.apply(x, cos, sin, False)
+    return (_rope if torch.compiler.is_compiling() else _Rope.apply)(x, cos, sin, False)
 
 
 def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:

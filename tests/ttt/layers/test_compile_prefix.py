@@ -1,0 +1,89 @@
+"""ttt.compile_prefix: the prefix blocks through torch.compile (inductor's C++ kernels on the CPU) give the
+eager blocks' outputs and first derivatives in float64, compile one graph for blocks of one structure,
+refuse a second derivative, and leave a second-order TTT loss and its gradients unchanged."""
+
+import pytest
+import torch
+from test_e2e_reference import TINY, sample_batch
+from torch._dynamo.utils import counters
+
+from recipes import load_config
+from recipes.ttt_e2e import build_module
+from ttt.inner import maybe_checkpoint
+from ttt.layers import suffix_reader
+from ttt.layers.suffix_reader import run_prefix_block
+from ttt.models.transformer import Block, TransformerConfig, rope_cos_sin
+
+pytestmark = pytest.mark.slow  # inductor compiles C++ kernels: about ten seconds a graph on two cores
+
+
+def blocks_and_input(n_blocks=3, rows=37):
+    torch.manual_seed(0)
+    cfg = TransformerConfig(
+        vocab_size=64, d_model=48, n_layers=n_blocks, n_heads=4, n_kv_heads=2, qk_norm=True, post_norm=True,
+        window=16, attention="eager",
+    ).resolved()  # fmt: skip
+    blocks = [Block(cfg).double() for _ in range(n_blocks)]
+    x = torch.randn(2, rows, cfg.d_model, dtype=torch.float64, requires_grad=True)
+    cos, sin = rope_cos_sin(rows, cfg.head_dim, cfg.rope_theta, x.device, None, dtype=torch.float64)
+    return blocks, x, cos, sin
+
+
+def run_blocks(blocks, x, cos, sin, *, compiled, checkpoint=False):
+    for block in blocks:
+        x = maybe_checkpoint(
+            lambda b, h, c, s: run_prefix_block(b, h, c, s, compiled=compiled), block, x, cos, sin,
+            enabled=checkpoint,
+        )  # fmt: skip
+    return x
+
+
+@pytest.mark.parametrize("checkpoint", [False, True], ids=["kept", "checkpointed"])
+def test_compiled_blocks_match_eager_to_the_first_derivative_in_one_graph(checkpoint):
+    blocks, x, cos, sin = blocks_and_input()
+    params = [x, *(p for block in blocks for p in block.parameters())]
+    torch._dynamo.reset()
+    counters.clear()
+    got = run_blocks(blocks, x, cos, sin, compiled=True, checkpoint=checkpoint)
+    want = run_blocks(blocks, x, cos, sin, compiled=False)
+    assert counters["stats"]["unique_graphs"] == 1  # the three blocks share one compiled graph
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    cotangent = torch.randn_like(want)
+    for g_got, g_want in zip(
+        torch.autograd.grad(got, params, cotangent), torch.autograd.grad(want, params, cotangent), strict=True
+    ):
+        torch.testing.assert_close(g_got, g_want, rtol=1e-10, atol=1e-12)
+
+
+def test_compiled_blocks_refuse_a_second_derivative():
+    blocks, x, cos, sin = blocks_and_input(n_blocks=1)
+    out = run_blocks(blocks, x, cos, sin, compiled=True)
+    with pytest.raises(RuntimeError, match="create_graph=False"):  # torch: a differentiable backward
+        torch.autograd.grad(out.square().sum(), x, create_graph=True)
+
+
+def test_a_compiled_prefix_leaves_the_second_order_loss_and_gradients_unchanged(monkeypatch):
+    """The TTT-E2E recipe (2 suffix blocks, 1 prefix block) with ttt.compile_prefix, its blocks compiled
+    on the CPU too (the reader compiles them on CUDA only): same loss and second-order gradients as
+    eager, in float64."""
+    asked = []
+
+    def compiled_anywhere(*args, compiled):
+        asked.append(compiled)
+        return run_prefix_block(*args, compiled=True)
+
+    batch = sample_batch()
+    results = []
+    for options in (TINY, [*TINY, "ttt.compile_prefix=true"]):
+        if options is not TINY:
+            monkeypatch.setattr(suffix_reader, "run_prefix_block", compiled_anywhere)
+        torch.manual_seed(0)
+        learner = build_module(load_config(options)).double()
+        params = [p for p in learner.parameters() if p.requires_grad]
+        loss = sum(learner.pass_loss(rows, len(batch["tokens"]))[0] for rows in learner.split_passes(batch))
+        results.append((loss, torch.autograd.grad(loss, params)))
+    assert asked and not any(asked)  # CPU tokens: the reader asks for the eager blocks
+    (plain, plain_grads), (compiled, compiled_grads) = results
+    torch.testing.assert_close(compiled, plain, rtol=1e-12, atol=1e-12)
+    for mine, reference in zip(compiled_grads, plain_grads, strict=True):
+        torch.testing.assert_close(mine, reference, rtol=1e-10, atol=1e-12)
