@@ -62,10 +62,12 @@ def test_compiled_blocks_refuse_a_second_derivative():
         torch.autograd.grad(out.square().sum(), x, create_graph=True)
 
 
-def test_a_compiled_prefix_leaves_the_second_order_loss_and_gradients_unchanged(monkeypatch):
+@pytest.mark.parametrize("attention", [[], ["ttt.prefix_attention=sdpa"]], ids=["flashbob", "sdpa"])
+def test_a_compiled_prefix_leaves_the_second_order_loss_and_gradients_unchanged(attention, monkeypatch):
     """The TTT-E2E recipe (2 suffix blocks, 1 prefix block) with ttt.compile_prefix, its blocks compiled
-    on the CPU too (the reader compiles them on CUDA only): same loss and second-order gradients as
-    eager, in float64."""
+    on the CPU too (the reader compiles them on CUDA only), their attention FlashBoB's (here its plain
+    PyTorch path) or torch's SDPA: same loss and second-order gradients as the eager recipe, in
+    float64."""
     asked = []
 
     def compiled_anywhere(*args, compiled):
@@ -74,7 +76,7 @@ def test_a_compiled_prefix_leaves_the_second_order_loss_and_gradients_unchanged(
 
     batch = sample_batch()
     results = []
-    for options in (TINY, [*TINY, "ttt.compile_prefix=true"]):
+    for options in (TINY, [*TINY, "ttt.compile_prefix=true", *attention]):
         if options is not TINY:
             monkeypatch.setattr(suffix_reader, "run_prefix_block", compiled_anywhere)
         torch.manual_seed(0)
