@@ -5,9 +5,11 @@ without the second-order term.
     python -m ttt.experiments.scale recipe=ttt_e2e_125m [key=value ...] [--steps 3]
         [--modes second,first,off] [--out results.jsonl] [--profile] [--sources]
     python -m ttt.experiments.scale recipe=ttt_e2e_125m --modes second --base COMMIT_OR_DIR [--rounds 2]
+        [--budget SECONDS]
 
 With --base, an A/B: this tree against the base, each measured by its own code in a process of its
-own, alternating round by round, then this / base per mode with its spread (`ttt.experiments.step_ab`).
+own, alternating round by round, then this / base per mode with its spread (`ttt.experiments.step_ab`);
+--budget stops it, with its summary, before a process that might not finish in that many seconds.
 
 Modes: second (the recipe as configured: exact second order), first (inner.first_order=true), off
 (ttt.enabled=false: the same model without test-time training). Each mode builds the learner afresh,
@@ -202,16 +204,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sources", action="store_true", help="attribute one more step's kernel time")
     parser.add_argument("--base", help="A/B against this commit or directory (ttt.experiments.step_ab)")
     parser.add_argument("--rounds", type=int, default=2, help="with --base: rounds, each tree once a round")
+    parser.add_argument(
+        "--budget", type=float, help="with --base: seconds of wall time; no process starts that might pass it"
+    )
     args = parser.parse_intermixed_args(argv)
     modes = args.modes.split(",")
     unknown = [mode for mode in modes if mode not in MODES]
     if unknown or args.steps < 1:
         parser.error(f"--modes must be of {list(MODES)} (got {unknown}), --steps >= 1 (got {args.steps})")
     if args.base is not None:
-        if args.profile or args.sources or args.rounds < 1:
-            parser.error(f"--base takes --rounds >= 1 (got {args.rounds}), and no --profile or --sources")
+        if args.profile or args.sources or args.rounds < 1 or (args.budget is not None and args.budget <= 0):
+            parser.error(
+                f"--base takes --rounds >= 1 (got {args.rounds}), --budget > 0 seconds (got {args.budget}), "
+                "and no --profile or --sources"
+            )
         try:
-            step_ab.run(args.overrides, modes, args.steps, args.base, args.rounds, args.out)
+            step_ab.run(args.overrides, modes, args.steps, args.base, args.rounds, args.out, args.budget)
         except (ValueError, RuntimeError) as err:
             print(f"error: {err}", file=sys.stderr)
             return 2 if isinstance(err, ValueError) else 1

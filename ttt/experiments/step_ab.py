@@ -2,6 +2,7 @@
 (a commit or a directory), alternated round by round, each in a process of its own.
 
     python -m ttt.experiments.scale recipe=ttt_e2e_125m --modes second --steps 3 --base main --rounds 2
+        [--budget 540]
 
 Each round runs every mode once per tree, in an order that alternates (this, base; base, this; ...),
 so that a drift of the machine (clocks, temperature, a neighbour) does not favour one side. A tree's
@@ -10,7 +11,11 @@ first on PYTHONPATH (the packages it does not hold come from this environment). 
 rows with "tree" ("this" or "base"), "code" (the commit, "+dirty" for a changed checkout, or the
 directory) and "round" added. The summary gives, per mode, each round's s_per_step of both trees, and
 this / base round by round with its median and [min, max] over the rounds (the spread: an interval
-that holds 1.00 is no difference measured).
+that holds 1.00 is no difference measured); a round that one tree did not finish gives no ratio.
+
+With a budget (seconds of wall time, for a machine that stops a command at a limit), no process starts
+once the time used plus the longest process so far would pass it: the A/B stops there, says so, and
+prints the summary of what ran.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 from dataclasses import dataclass
 
 from flashbob.bench.ab import spread
@@ -106,19 +112,29 @@ def measure_tree(tree: Tree, overrides: list[str], modes: list[str], steps: int)
 
 
 def run(
-    overrides: list[str], modes: list[str], steps: int, base: str, rounds: int, out: str | None
+    overrides: list[str], modes: list[str], steps: int, base: str, rounds: int, out: str | None,
+    budget_s: float | None = None,
 ) -> list[dict]:
     """The A/B (module docstring): rounds x trees x modes rows, emitted as they come (printed, and
-    appended to out), then the summary printed. Returns the rows."""
+    appended to out), then the summary printed; with budget_s, fewer rounds where the next process
+    might not finish within it. Returns the rows."""
     trees = [this_tree(), base_tree(base)]
-    rows = []
+    rows, start, longest = [], time.monotonic(), 0.0
     try:
-        for number in range(rounds):
-            for tree in trees if number % 2 == 0 else trees[::-1]:
-                for row in measure_tree(tree, overrides, modes, steps):
-                    row = {**row, "tree": tree.label, "code": tree.code, "round": number}
-                    emit(row, out)
-                    rows.append(row)
+        for number, tree in ((n, t) for n in range(rounds) for t in (trees if n % 2 == 0 else trees[::-1])):
+            used = time.monotonic() - start
+            if budget_s is not None and used + longest > budget_s:
+                print(
+                    f"stopped before round {number + 1}'s {tree.label} tree: {used:.0f} s of the "
+                    f"{budget_s:.0f} s budget used, and the longest process so far took {longest:.0f} s"
+                )
+                break
+            began = time.monotonic()
+            for row in measure_tree(tree, overrides, modes, steps):
+                row = {**row, "tree": tree.label, "code": tree.code, "round": number}
+                emit(row, out)
+                rows.append(row)
+            longest = max(longest, time.monotonic() - began)
     finally:
         if trees[1].extracted:
             shutil.rmtree(trees[1].root, ignore_errors=True)
@@ -137,17 +153,20 @@ def summary(rows: list[dict], trees: list[Tree]) -> str:
         "|---|---|---|---|",
     ]
     for mode in dict.fromkeys(row["mode"] for row in rows):
-        times = {
-            label: [row.get("s_per_step") for row in rows if row["mode"] == mode and row["tree"] == label]
+        times = {  # label -> {round: s_per_step, None where the mode did not run ("oom" or another status)}
+            label: {r["round"]: r.get("s_per_step") for r in rows if (r["mode"], r["tree"]) == (mode, label)}
             for label in ("this", "base")
         }
-        cells = [", ".join("-" if t is None else f"{t:.3f}" for t in times[label]) for label in times]
-        if any(t is None for t in times["this"] + times["base"]):
+        cells = [", ".join("-" if t is None else f"{t:.3f}" for t in by.values()) for by in times.values()]
+        paired = [(t, times["base"][r]) for r, t in times["this"].items() if r in times["base"]]
+        if any(t is None for pair in paired for t in pair):
             ratio = "not every round ran: " + ", ".join(
                 sorted({row["status"] for row in rows if row["mode"] == mode and row["status"] != "ok"})
             )
+        elif not paired:
+            ratio = "no round ran both trees"
         else:
-            middle, low, high = spread([a / b for a, b in zip(times["this"], times["base"], strict=True)])
+            middle, low, high = spread([a / b for a, b in paired])
             ratio = f"{middle:.3f} [{low:.3f}, {high:.3f}]"
         lines.append(f"| {mode} | {cells[0]} | {cells[1]} | {ratio} |")
     return "\n".join(lines)

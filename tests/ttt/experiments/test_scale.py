@@ -141,3 +141,30 @@ def test_a_tree_is_named_by_its_own_checkout_only():
     assert step_ab.code_of(root).removesuffix("+dirty") == head
     assert step_ab.code_of(f"{root}/ttt") == f"{root}/ttt"
 
+
+
+def test_an_ab_with_a_budget_stops_before_a_process_that_might_pass_it(monkeypatch, capsys):
+    """Processes of 100 s (the fake clock's), a budget of 350 s: this, base, base run (300 s used, and
+    300 + 100 > 350), round 2's `this` does not; the summary pairs round 1 alone and shows round 2's
+    lone base time."""
+    from ttt.experiments import step_ab
+
+    clock = [0.0]
+    monkeypatch.setattr(step_ab.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(step_ab, "base_tree", lambda where: step_ab.Tree("base", where, "basecode"))
+
+    def measure(tree, overrides, modes, steps):
+        clock[0] += 100.0
+        return [{"mode": "second", "status": "ok", "s_per_step": 2.0 if tree.label == "this" else 4.0}]
+
+    monkeypatch.setattr(step_ab, "measure_tree", measure)
+    rows = step_ab.run(["recipe=ttt_e2e"], ["second"], 1, "/nowhere", 3, None, budget_s=350.0)
+    assert [(row["round"], row["tree"]) for row in rows] == [(0, "this"), (0, "base"), (1, "base")]
+    printed = capsys.readouterr().out
+    assert "stopped before round 2's this tree: 300 s of the 350 s budget used" in printed
+    assert "| second | 2.000 | 4.000, 4.000 | 0.500 [0.500, 0.500] |" in printed
+    assert step_ab.summary(rows[2:], [step_ab.this_tree(), step_ab.Tree("base", "", "b")]).endswith(
+        "no round ran both trees |"
+    )
+    with pytest.raises(SystemExit):
+        scale.main(["recipe=ttt_e2e", "--base", "/nowhere", "--budget", "0"])
