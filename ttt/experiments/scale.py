@@ -5,11 +5,13 @@ without the second-order term.
     python -m ttt.experiments.scale recipe=ttt_e2e_125m [key=value ...] [--steps 3]
         [--modes second,first,off] [--out results.jsonl] [--profile] [--sources]
     python -m ttt.experiments.scale recipe=ttt_e2e_125m --modes second --base COMMIT_OR_DIR [--rounds 2]
-        [--budget SECONDS]
+        [--budget SECONDS] [--base-override KEY=VALUE ...]
 
 With --base, an A/B: this tree against the base, each measured by its own code in a process of its
 own, alternating round by round, then this / base per mode with its spread (`ttt.experiments.step_ab`);
---budget stops it, with its summary, before a process that might not finish in that many seconds.
+--budget stops it, with its summary, before a process that might not finish in that many seconds;
+--base-override KEY=VALUE (repeated) sets an option of the base side alone (with --base ., an A/B of
+options in this tree).
 
 Modes: second (the recipe as configured: exact second order), first (inner.first_order=true), off
 (ttt.enabled=false: the same model without test-time training). Each mode builds the learner afresh,
@@ -207,11 +209,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--budget", type=float, help="with --base: seconds of wall time; no process starts that might pass it"
     )
+    parser.add_argument(
+        "--base-override", action="append", default=[], metavar="KEY=VALUE",
+        help="with --base: an override of the base side alone (repeatable)",
+    )  # fmt: skip
     args = parser.parse_intermixed_args(argv)
     modes = args.modes.split(",")
     unknown = [mode for mode in modes if mode not in MODES]
     if unknown or args.steps < 1:
         parser.error(f"--modes must be of {list(MODES)} (got {unknown}), --steps >= 1 (got {args.steps})")
+    if args.base_override and args.base is None:
+        parser.error(f"--base-override needs --base (got {args.base_override})")
     if args.base is not None:
         if args.profile or args.sources or args.rounds < 1 or (args.budget is not None and args.budget <= 0):
             parser.error(
@@ -219,7 +227,10 @@ def main(argv: list[str] | None = None) -> int:
                 "and no --profile or --sources"
             )
         try:
-            step_ab.run(args.overrides, modes, args.steps, args.base, args.rounds, args.out, args.budget)
+            step_ab.run(
+                args.overrides, modes, args.steps, args.base, args.rounds, args.out, args.budget,
+                tuple(args.base_override),
+            )  # fmt: skip
         except (ValueError, RuntimeError) as err:
             print(f"error: {err}", file=sys.stderr)
             return 2 if isinstance(err, ValueError) else 1

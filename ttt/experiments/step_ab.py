@@ -13,6 +13,9 @@ directory) and "round" added. The summary gives, per mode, each round's s_per_st
 this / base round by round with its median and [min, max] over the rounds (the spread: an interval
 that holds 1.00 is no difference measured); a round that one tree did not finish gives no ratio.
 
+Overrides for the base side alone (`--base-override KEY=VALUE`) make an A/B of options: with `--base .`
+this tree against itself with other settings, its code "." plus those overrides.
+
 With a budget (seconds of wall time, for a machine that stops a command at a limit), no process starts
 once the time used plus the longest process so far would pass it: the A/B stops there, says so, and
 prints the summary of what ran.
@@ -29,7 +32,7 @@ import sys
 import tarfile
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from flashbob.bench.ab import spread
 from flashbob.environment import commit
@@ -113,12 +116,16 @@ def measure_tree(tree: Tree, overrides: list[str], modes: list[str], steps: int)
 
 def run(
     overrides: list[str], modes: list[str], steps: int, base: str, rounds: int, out: str | None,
-    budget_s: float | None = None,
+    budget_s: float | None = None, base_overrides: tuple[str, ...] = (),
 ) -> list[dict]:
     """The A/B (module docstring): rounds x trees x modes rows, emitted as they come (printed, and
     appended to out), then the summary printed; with budget_s, fewer rounds where the next process
-    might not finish within it. Returns the rows."""
+    might not finish within it; base_overrides go to the base side only (after overrides: with base
+    ".", an A/B of options in one tree). Returns the rows."""
     trees = [this_tree(), base_tree(base)]
+    if base_overrides:
+        trees[1] = replace(trees[1], code=" ".join([trees[1].code, *base_overrides]))
+    sides = {"this": overrides, "base": [*overrides, *base_overrides]}
     rows, start, longest = [], time.monotonic(), 0.0
     try:
         for number, tree in ((n, t) for n in range(rounds) for t in (trees if n % 2 == 0 else trees[::-1])):
@@ -130,7 +137,7 @@ def run(
                 )
                 break
             began = time.monotonic()
-            for row in measure_tree(tree, overrides, modes, steps):
+            for row in measure_tree(tree, sides[tree.label], modes, steps):
                 row = {**row, "tree": tree.label, "code": tree.code, "round": number}
                 emit(row, out)
                 rows.append(row)

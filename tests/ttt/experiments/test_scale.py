@@ -168,3 +168,23 @@ def test_an_ab_with_a_budget_stops_before_a_process_that_might_pass_it(monkeypat
     )
     with pytest.raises(SystemExit):
         scale.main(["recipe=ttt_e2e", "--base", "/nowhere", "--budget", "0"])
+
+
+def test_base_overrides_go_to_the_base_side_alone(monkeypatch, capsys):
+    """--base . --base-override KEY=VALUE: an A/B of options in one tree; the base's code names them."""
+    from ttt.experiments import step_ab
+
+    seen = {}
+
+    def measure(tree, overrides, modes, steps):
+        seen[tree.label] = overrides
+        return [{"mode": "off", "status": "ok", "s_per_step": 1.0}]
+
+    monkeypatch.setattr(step_ab, "measure_tree", measure)
+    option = ("ttt.compile_prefix=false",)
+    rows = step_ab.run(["recipe=ttt_e2e"], ["off"], 1, ".", 1, None, base_overrides=option)
+    assert seen == {"this": ["recipe=ttt_e2e"], "base": ["recipe=ttt_e2e", "ttt.compile_prefix=false"]}
+    assert rows[1]["code"].endswith(" ttt.compile_prefix=false")
+    with pytest.raises(SystemExit):
+        scale.main(["recipe=ttt_e2e", "--base-override", "ttt.compile_prefix=false"])
+    assert "--base-override needs --base" in capsys.readouterr().err
