@@ -84,17 +84,18 @@ class TTTLanguageLearner(OuterLearner):
         or None without keep_logits, losses (B, N - 1)), detached. adapt=True adapts only when
         ttt.enabled: the fast weights train on each chunk as they read it (the inner learning rates at
         `global_step`'s warm-up, a loaded learner's too); loss_mask (B, N - 1): the targets the inner
-        steps count (None: all). Runs in grad mode inside torch.no_grad too; refused under
-        torch.inference_mode when it adapts."""
-        if adapt and self.model.ttt_cfg.enabled:
+        steps count (None: all). Adapting, it runs in grad mode inside torch.no_grad too, and is refused
+        under torch.inference_mode; without adapting it runs under either."""
+        adapt = adapt and self.model.ttt_cfg.enabled
+        if adapt:
             refuse_inference_mode(f"{type(self).__name__}.read(adapt=True)")
         logits, losses = [], []
         batch = {"tokens": tokens} if loss_mask is None else {"tokens": tokens, "loss_mask": loss_mask}
-        with torch.enable_grad():
+        with torch.set_grad_enabled(adapt or torch.is_grad_enabled()):  # the inner steps need grad mode
             for rows in self.split_passes(batch):
                 pass_logits, pass_losses = self.model.read(
                     rows["tokens"],
-                    adapt=adapt and self.model.ttt_cfg.enabled,
+                    adapt=adapt,
                     lr_scale=self.inner_lr_scale(),
                     outer_grad=False,
                     keep_logits=keep_logits,

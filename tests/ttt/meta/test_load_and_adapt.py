@@ -316,3 +316,8 @@ def test_a_ttt_language_learner_loads_and_reads_with_the_inner_lr_warm_up_it_rea
     assert torch.stack(means).mean().item() == pytest.approx(summary["query_loss_adapted"], rel=1e-6)
     with torch.inference_mode(), pytest.raises(RuntimeError, match="read\\(adapt=True\\).*inference_mode"):
         learner.read(batches[0]["tokens"], adapt=True)
+    with torch.no_grad():  # a read without inner steps runs under inference_mode too, to the same losses
+        _, plain = learner.read(batches[0]["tokens"], adapt=False, keep_logits=False)
+    with torch.inference_mode():
+        _, inferred = learner.read(batches[0]["tokens"], adapt=False, keep_logits=False)
+    assert torch.equal(inferred, plain)
