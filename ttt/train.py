@@ -489,8 +489,15 @@ def release_process_group() -> None:
     process during finalization ("terminate called without an active exception": pytorch/pytorch issue
     190489). Not after a failure: another process may still be in a collective. A later run in the same
     process creates the group again."""
+    global _released_a_group
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+        _released_a_group = True
+
+
+_released_a_group = False
+"""Whether `release_process_group` destroyed a process group in this process (`cli` then ends it with
+os._exit)."""
 
 
 DIVERGED = 3
@@ -586,5 +593,26 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def cli() -> None:
+    """`python -m ttt.train` and `ttt-train`: main's exit status as the process's. A process that took part
+    in a run of several processes ends without the interpreter's finalization (`os._exit`, its output
+    flushed first): there gloo's worker threads can abort it ("terminate called without an active
+    exception", pytorch/pytorch issue 190489), after the run has ended, written and closed everything,
+    replacing its exit status with SIGABRT's. Other processes exit as usual."""
+    status = main()
+    if took_part_in_a_process_group():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    sys.exit(status)
+
+
+def took_part_in_a_process_group() -> bool:
+    """Whether this process has a process group (a failed run keeps it) or released one
+    (`release_process_group`)."""
+    initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
+    return initialized or _released_a_group
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()
