@@ -43,6 +43,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from recipes import load_config
+from ttt.config.loading import ConfigError, parse_overrides
 from ttt.meta.sharding import SecondOrderFSDPStrategy
 from ttt.models import TransformerConfig
 from ttt.tracking import OuterStepTimer
@@ -220,6 +221,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--modes must be of {list(MODES)} (got {unknown}), --steps >= 1 (got {args.steps})")
     if args.base_override and args.base is None:
         parser.error(f"--base-override needs --base (got {args.base_override})")
+    try:  # before any tree runs: a malformed one would fail only after this tree's measurement
+        parse_overrides(args.base_override)
+    except ConfigError as err:
+        parser.error(f"--base-override: {err}")
     if args.base is not None:
         if args.profile or args.sources or args.rounds < 1 or (args.budget is not None and args.budget <= 0):
             parser.error(

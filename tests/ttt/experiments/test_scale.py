@@ -188,3 +188,6 @@ def test_base_overrides_go_to_the_base_side_alone(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         scale.main(["recipe=ttt_e2e", "--base-override", "ttt.compile_prefix=false"])
     assert "--base-override needs --base" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # refused before either tree runs
+        scale.main(["recipe=ttt_e2e", "--base", ".", "--base-override", "oops"])
+    assert "--base-override: override 'oops' must look like key=value" in capsys.readouterr().err
