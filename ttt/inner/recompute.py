@@ -54,6 +54,73 @@ def _replay_contexts() -> tuple[_Together, _Together]:
     return _Together([pair[0] for pair in pairs]), _Together([pair[1] for pair in pairs])
 
 
+class ReplayLog:
+    """One op's records in the recomputed regions running now, for `register_replay`: each region gets
+    a list of entries (`contexts`), which the op's calls append to in order while the region's forward
+    records and take back in the same order while its recomputation replays (from the first again at
+    each replay: a region may be recomputed more than once). A call belongs to the innermost region
+    running (`region`). Module-wide, not per thread: the backward that recomputes a region may run on
+    another thread than its forward.
+
+        LOG = ReplayLog("my_op")
+        register_replay(LOG.contexts)
+        region = LOG.region()                 # in the op: None outside a recomputed region
+        if region is not None and region.replaying: out = region.take()
+        else: out = compute(); region is None or region.record(out)
+    """
+
+    def __init__(self, op: str):
+        self.op = op
+        self._active: list[_Entries] = []
+
+    def contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+        """(record, replay) for one region: a `ReplayContexts` factory (also a valid `context_fn` of
+        torch.utils.checkpoint, non-reentrant)."""
+        entries = _Entries(self.op)
+        return _EntriesContext(self._active, entries, False), _EntriesContext(self._active, entries, True)
+
+    def region(self) -> _Entries | None:
+        """The innermost running region's entries, or None outside every region."""
+        return self._active[-1] if self._active else None
+
+
+class _Entries:
+    """What one op's calls recorded in one region, and whether the region is replaying them now."""
+
+    def __init__(self, op: str):
+        self.op, self.entries, self.replaying, self.cursor = op, [], False, 0
+
+    def record(self, entry: Any) -> None:
+        """Append the entry of a call of the region's forward."""
+        self.entries.append(entry)
+
+    def take(self) -> Any:
+        """The next entry, for a call of the recomputation."""
+        if self.cursor >= len(self.entries):
+            raise RuntimeError(f"{self.op}: the recomputation runs a call that its forward did not")
+        self.cursor += 1
+        return self.entries[self.cursor - 1]
+
+
+class _EntriesContext(contextlib.AbstractContextManager):
+    """Makes `entries` the innermost of `active`, recording (from empty) or replaying (from its first
+    entry); re-entrant, as the recomputation context of a checkpoint must be."""
+
+    def __init__(self, active: list[_Entries], entries: _Entries, replaying: bool):
+        self.active, self.entries, self.replaying = active, entries, replaying
+
+    def __enter__(self):
+        self.entries.replaying, self.entries.cursor = self.replaying, 0
+        if not self.replaying:
+            self.entries.entries.clear()
+        self.active.append(self.entries)
+        return self
+
+    def __exit__(self, *exc):
+        self.active.remove(self.entries)
+        return False
+
+
 class _Together(contextlib.AbstractContextManager):
     """Context managers entered in order and left in reverse order, as one (re-entrant when each is)."""
 

@@ -12,16 +12,23 @@ of twice the rows needed (the old one stays alive while views saved before hold 
 rows in all.
 
 Only the first continuation of a cache writes in place. Another continuation of the same cache (a chunk
-read again from the same cache, as a checkpoint's recomputation does) copies the prefix into a new
-buffer, so the values of a view never change after it is made. Values, and derivatives of any order,
-are those of the concatenation: the view holds the same numbers, and its backward hands each part its
-rows of the gradient.
+read again from the same cache, as an inner step's rescoring does) copies the prefix into a new
+buffer, so the values of a view never change after it is made. One exception: the recomputation of a
+region of `ttt.inner.recompute` (a checkpointed chunk, in the outer backward) replays the continuations
+its forward made in place (`recompute_contexts`) in place again: it writes the same rows of the same
+buffer with the same values, which only views made after them (later chunks, whose backward has run)
+can see. Values, and derivatives of any order, are those of the concatenation: the view holds the same
+numbers, and its backward hands each part its rows of the gradient.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.utils._pytree import register_pytree_node
+
+from ttt.inner.recompute import ReplayLog, register_replay
 
 
 class _Rows:
@@ -88,10 +95,14 @@ class PrefixCache:
     def extend(self, keys: torch.Tensor, values: torch.Tensor) -> PrefixCache:
         """This cache followed by a chunk's keys and values (B, Hkv, C, D): a cache of L + C positions,
         written into the free rows of this cache's buffers when this is their first continuation and they
-        have room (and the same dtype and device), else into new buffers: of L + C rows for a second
-        continuation (a copy, as torch.cat makes), of 2 (L + C) for a first one that does not fit."""
+        have room (and the same dtype and device), or when a recomputation replays such a continuation
+        (module docstring), else into new buffers: of L + C rows for a second continuation (a copy, as
+        torch.cat makes), of 2 (L + C) for a first one that does not fit."""
         start, rows = self.positions, self._rows
         end = start + keys.shape[2]
+        region = _CONTINUATIONS.region()
+        if region is not None and region.replaying and region.take() == (rows, start, end):
+            return self._written(keys, values, rows, in_place=True)
         first_continuation = rows.filled == start
         if first_continuation and rows.keys is None:
             rows.capacity = max(rows.capacity, end)
@@ -101,11 +112,18 @@ class PrefixCache:
             and rows.capacity >= end
             and (rows.keys.dtype, rows.keys.device) == (keys.dtype, keys.device)
         )
+        if region is not None and not region.replaying:
+            region.record((rows, start, end) if in_place else None)
         if not in_place:
             rows = _Rows(2 * end if first_continuation else end, like=keys)
+        rows.filled = end
+        return self._written(keys, values, rows, in_place=in_place)
+
+    def _written(self, keys: torch.Tensor, values: torch.Tensor, rows: _Rows, *, in_place: bool):
+        """A `PrefixCache`: this cache's positions and keys, values (B, Hkv, C, D) after them, in rows'
+        buffers (in_place: this cache's positions are already their first rows)."""
         keys = _Append.apply(self.keys, keys, rows.keys, in_place)
         values = _Append.apply(self.values, values, rows.values, in_place)
-        rows.filled = end
         return PrefixCache(keys, values, rows)
 
     def detach(self) -> PrefixCache:
@@ -115,6 +133,18 @@ class PrefixCache:
         return PrefixCache(self.keys.detach(), self.values.detach(), self._rows)
 
 
+_CONTINUATIONS = ReplayLog("PrefixCache.extend")
+"""Per recomputed region, each continuation of its forward: (rows, start, end) when it wrote in place,
+else None."""
+
+
+@register_replay
+def recompute_contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """(record, replay) contexts for a recomputed region (`ttt.inner.recompute`): the continuations that
+    the forward writes in place, the recomputation writes in place again (module docstring)."""
+    return _CONTINUATIONS.contexts()
+
+
 register_pytree_node(
     PrefixCache,
     lambda cache: ([cache.keys, cache.values], cache._rows),
@@ -122,4 +152,3 @@ register_pytree_node(
 )
 """A pytree node: its keys and values are what `ttt.inner.recompute.recomputed` passes through a
 recomputed chunk (the shared buffers travel as the node's context)."""
-

@@ -14,7 +14,7 @@ from .ring_cache import RingCache
 
 KVCache = tuple[torch.Tensor, torch.Tensor] | PrefixCache | RingCache | None
 """Keys (RoPE applied) and values of the most recent positions, each (B, n_kv_heads, M, head_dim): a
-pair, a `PrefixCache` (all positions, full causal attention with `SuffixBlock.shares_prefix`), or a
+pair, a `PrefixCache` (all positions, for a read the window covers: `SuffixBlock.shares_prefix`), or a
 `RingCache` (a sliding window decoded one position at a time, written in place)."""
 
 
@@ -36,11 +36,12 @@ class SuffixBlock(nn.Module):
     three matrices from N(0, model.init_std) (TTT-E2E). Through functional_call any of its weights may
     carry a leading batch dim, one per sequence (see `project`)."""
 
-    shares_prefix = False
-    """With full causal attention, carry the keys and values as a `PrefixCache` (each chunk's attention
-    saves a view of one buffer) instead of concatenating them per chunk (each saves its own copy of the
-    prefix: O(N^2 / chunk_len) saved). Only for a block that continues each cache once in the forward:
-    `MemoryBlock`; TTT-E2E reads every chunk again from the same cache for its inner steps."""
+    shares_prefix = True
+    """Carry the keys and values of a read that the window covers (`covers`) as a `PrefixCache`: each
+    chunk writes its rows into one buffer, and its attention saves a view of it, instead of a copy of
+    the prefix per chunk (O(N^2 / chunk_len) saved and copied). A chunk read again from the same cache
+    (a rescoring, a recomputation outside `ttt.inner.recompute`'s replay) copies, as the concatenation
+    does. False: always the concatenation (the comparison of `ttt.experiments.neural_memory_saved`)."""
 
     def __init__(
         self, block: Block, cfg: TransformerConfig, extra_hidden: int | None, extra_init: str = "zero_out"
@@ -68,16 +69,26 @@ class SuffixBlock(nn.Module):
         """How many past positions a later query can still see: window - 1 (None: all, full attention)."""
         return None if self.cfg.window is None else self.cfg.window - 1
 
-    def initial_cache(self, positions: int) -> KVCache:
-        """The cache before the first chunk of a read of `positions` positions: None, or with
-        shares_prefix and full causal attention an empty `PrefixCache` with room for all of them."""
-        return PrefixCache.reserve(positions) if self.shares_prefix and self.kept_keys() is None else None
+    def covers(self, positions: int, chunk_len: int) -> bool:
+        """Whether a read of `positions` positions in chunks of chunk_len is one for a `PrefixCache`: full
+        attention, or a window that falls short of the read by less than a chunk (a chunk's attention is
+        then handed fewer keys beyond its window, which the kernels skip, than it has rows; TTT-E2E's
+        8,193-token slices under a window of 8,192)."""
+        return self.cfg.window is None or positions - self.cfg.window < chunk_len
+
+    def initial_cache(self, positions: int, chunk_len: int) -> KVCache:
+        """The cache before the first chunk of a read of `positions` positions in chunks of chunk_len:
+        with shares_prefix, for a read the window `covers`, an empty `PrefixCache` with room for all of
+        them; else None (the pair of the window - 1 most recent keys and values follows)."""
+        shared = self.shares_prefix and self.covers(positions, chunk_len)
+        return PrefixCache.reserve(positions) if shared else None
 
     def attend(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache):
         """Attention of the chunk x (B, C, d) over the cache and itself; cos, sin (C, head_dim) are the
         RoPE tables of the chunk's absolute positions. Returns ((B, C, d), the cache for the next chunk).
-        A `RingCache` (one position) takes its keys and values in place; a `PrefixCache` (given, or made
-        for a block with shares_prefix under full attention) grows in its buffer; a pair of tensors is
+        A `RingCache` (one position) takes its keys and values in place; a `PrefixCache` (given, as
+        `initial_cache` makes it, or made for a block with shares_prefix under full attention) grows in
+        its buffer, its keys past the window masked (and skipped by the kernels); a pair of tensors is
         extended by concatenation and cut to the `kept_keys` most recent (a view, copied when more was
         cut than kept, so that the cache of a long read does not hold all of it)."""
         q, k, v = self.attn.project_qkv(x, cos, sin)
@@ -87,7 +98,9 @@ class SuffixBlock(nn.Module):
             return self.attn.project_out(out), cache
         if isinstance(cache, PrefixCache) or (self.shares_prefix and self.kept_keys() is None):
             cache = (PrefixCache.reserve(0) if cache is None else cache).extend(k, v)
-            out = attention(q, cache.keys, cache.values, backend=self.cfg.attention, causal=True, window=None)
+            out = attention(
+                q, cache.keys, cache.values, backend=self.cfg.attention, causal=True, window=self.cfg.window
+            )
             return self.attn.project_out(out), cache
         if cache is not None:
             k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)

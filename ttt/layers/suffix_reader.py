@@ -4,8 +4,8 @@ by the `ChunkedReader` engine, the blocks before them (the prefix) once over the
     prefix blocks (plain) run once over the whole sequence (sliding-window attention, absolute positions);
     for each chunk: the suffix blocks read it with the carry and each layer's key/value cache (the
         window - 1 most recent positions, carried across chunks; from `SuffixBlock.initial_cache`, which
-        gives a block with shares_prefix under full causal attention one `PrefixCache` for the whole
-        read), and the head scores its next tokens (`_score`).
+        gives a block one `PrefixCache` for the whole read when its window covers the read), and the
+        head scores its next tokens (`_score`).
 
 ttt.checkpoint_prefix recomputes each prefix block in the outer backward (only its input is saved);
 ttt.compile_prefix runs the prefix blocks through torch.compile on CUDA (`run_prefix_block`).
@@ -118,7 +118,7 @@ class SuffixReader(ChunkedReader):
 
     def _initial_caches(self, positions: int) -> list:
         """Each suffix block's cache before the first chunk of a read of `positions` positions."""
-        return [block.initial_cache(positions) for block in self.suffix]
+        return [block.initial_cache(positions, self.ttt_cfg.chunk_len) for block in self.suffix]
 
     def _detach_caches(self, caches: list) -> list:
         """The key/value caches cut from the graph."""

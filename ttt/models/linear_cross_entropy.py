@@ -50,9 +50,11 @@ passes.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
-from ttt.inner.recompute import register_replay
+from ttt.inner.recompute import ReplayLog, register_replay
 
 from .compiled import CompiledOnCuda
 
@@ -202,60 +204,28 @@ def _gradient_node(tensor: torch.Tensor):
         return None
 
 
-class _ForwardCache:
-    """The outputs (lse, losses, G) of the forwards run while recording, in order; while replaying,
-    each forward takes the next instead of computing it (from the first again at each replay: a
-    region may be recomputed more than once)."""
-
-    def __init__(self):
-        self.entries: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        self.replaying, self.cursor = False, 0
-
-    def take(self, rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The next recorded (lse, losses, G) for a call on `rows` rows on `device`."""
-        if self.cursor >= len(self.entries):
-            raise RuntimeError("linear_cross_entropy: the recomputation runs a forward that was not recorded")
-        entry = self.entries[self.cursor]
-        if entry[0].shape[0] != rows or entry[0].device != device:
-            raise RuntimeError(
-                "linear_cross_entropy: the recomputation's forward differs from the recorded one "
-                f"({rows} rows on {device}, recorded {entry[0].shape[0]} on {entry[0].device})"
-            )
-        self.cursor += 1
-        return tuple(tensor.detach() for tensor in entry)  # fresh aliases: each becomes an output
-
-
-_ACTIVE_CACHES: list[_ForwardCache] = []
-"""The caches of the checkpointed regions running now, innermost last (module-wide, not per thread:
-the backward that recomputes a region may run on another thread than its forward)."""
-
-
-class _CacheContext:
-    """Makes `cache` the active one, recording (replaying=False: from empty) or replaying (from its
-    first entry); re-entrant, as the recomputation context of a checkpoint must be."""
-
-    def __init__(self, cache: _ForwardCache, replaying: bool):
-        self.cache, self.replaying = cache, replaying
-
-    def __enter__(self):
-        self.cache.replaying, self.cache.cursor = self.replaying, 0
-        if not self.replaying:
-            self.cache.entries.clear()
-        _ACTIVE_CACHES.append(self.cache)
-
-    def __exit__(self, *exc):
-        _ACTIVE_CACHES.remove(self.cache)
-        return False
+_FORWARDS = ReplayLog("linear_cross_entropy")
+"""The (lse, losses, G) of each forward run in a recomputed region, handed back to its recomputation."""
 
 
 @register_replay
-def recompute_contexts() -> tuple[_CacheContext, _CacheContext]:
+def recompute_contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
     """(record, replay) contexts for a recomputed region (`ttt.inner.recompute`; also a valid `context_fn`
     of torch.utils.checkpoint, non-reentrant): the first context records the outputs
     of every `linear_cross_entropy` forward of the region, the second (the recomputation) hands them
     back in the same order instead of recomputing them. Same values; O(rows * d) kept per call."""
-    cache = _ForwardCache()
-    return _CacheContext(cache, replaying=False), _CacheContext(cache, replaying=True)
+    return _FORWARDS.contexts()
+
+
+def _recorded_forward(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The next recorded (lse, losses, G) of the replaying region, for a call on hidden's rows."""
+    lse, losses, grad_dir = _FORWARDS.region().take()
+    if lse.shape[0] != hidden.shape[0] or lse.device != hidden.device:
+        raise RuntimeError(
+            "linear_cross_entropy: the recomputation's forward differs from the recorded one "
+            f"({hidden.shape[0]} rows on {hidden.device}, recorded {lse.shape[0]} on {lse.device})"
+        )
+    return lse.detach(), losses.detach(), grad_dir.detach()  # fresh aliases: each becomes an output
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -264,13 +234,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, config):
-        cache = _ACTIVE_CACHES[-1] if _ACTIVE_CACHES else None
-        if cache is not None and cache.replaying:
-            lse, losses, grad_dir = cache.take(hidden.shape[0], hidden.device)
+        region = _FORWARDS.region()
+        if region is not None and region.replaying:
+            lse, losses, grad_dir = _recorded_forward(hidden)
         else:
             lse, losses, grad_dir = _forward(hidden, weight, targets, config)
-            if cache is not None:  # aliases: the outputs themselves would keep this node's graph alive
-                cache.entries.append((lse, losses.detach(), grad_dir.detach()))
+            if region is not None:  # aliases: the outputs themselves would keep this node's graph alive
+                region.record((lse, losses.detach(), grad_dir.detach()))
         ctx.save_for_backward(hidden, weight, targets, lse, grad_dir)
         ctx.set_materialize_grads(False)
         ctx.config, ctx.weight_node = config, _gradient_node(weight)

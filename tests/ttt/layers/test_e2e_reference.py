@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from recipes import load_config
 from recipes.ttt_e2e import build_module
+from ttt.layers import PrefixCache
 
 TINY = [
     "recipe=ttt_e2e_125m",
@@ -90,12 +91,12 @@ def project_heads(x, block, heads, positions, theta):
     return rope_interleaved(q, positions, theta), k, (x @ block["wv"]).view(t, heads, -1)
 
 
-def attend(q, k_rot, v, query_index, key_index):
+def attend(q, k_rot, v, query_index, key_index, window):
     """Softmax attention of q (T, H, Dh) over keys at absolute key_index: allowed where 0 <= key <= query
-    and query - key < WINDOW (the official mask, zero cache slots have negative indices)."""
+    and query - key < window (the official mask, zero cache slots have negative indices)."""
     scores = torch.einsum("thd,shd->hts", q, k_rot) / math.sqrt(q.shape[-1])
     gap = query_index[:, None] - key_index[None, :]
-    allowed = (key_index[None, :] >= 0) & (gap >= 0) & (gap < WINDOW)
+    allowed = (key_index[None, :] >= 0) & (gap >= 0) & (gap < window)
     weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
     return torch.einsum("hts,shd->thd", weights, v).flatten(1)
 
@@ -110,26 +111,26 @@ def block_tail(x, attended, block, phi):
     )
 
 
-def suffix_chunk(h, rows, phi, caches, suffix, model, targets, mask, theta, heads):
+def suffix_chunk(h, rows, phi, caches, suffix, model, targets, mask, theta, heads, window):
     """The suffix blocks on chunk `rows` of the prefix output h with prime weights phi and each block's
-    cache (the last WINDOW keys and values before the chunk): the chunk's masked mean loss, new caches."""
+    cache (the last `window` keys and values before the chunk): the chunk's masked mean loss, new caches."""
     z, new_caches = h[rows], []
-    chunk_positions = torch.arange(WINDOW, WINDOW + CHUNK)  # relative to the window, as the official code
-    window_positions = torch.arange(WINDOW + CHUNK)
+    chunk_positions = torch.arange(window, window + CHUNK)  # relative to the window, as the official code
+    window_positions = torch.arange(window + CHUNK)
     for block, weights, (k_cache, v_cache) in zip(suffix, phi, caches):
         q, k, v = project_heads(rms(z, block["seq_norm"]), block, heads, chunk_positions, theta)
         k_all, v_all = torch.cat([k_cache, k]), torch.cat([v_cache, v])
-        key_index = rows[0] - WINDOW + window_positions
-        attended = attend(q, rope_interleaved(k_all, window_positions, theta), v_all, rows, key_index)
+        key_index = rows[0] - window + window_positions
+        attended = attend(q, rope_interleaved(k_all, window_positions, theta), v_all, rows, key_index, window)
         z = block_tail(z, attended, block, weights)
-        new_caches.append((k_all[-WINDOW:], v_all[-WINDOW:]))
+        new_caches.append((k_all[-window:], v_all[-window:]))
     logits = rms(z, model.norm.weight) @ model.embed.weight.t()
     nll = torch.logsumexp(logits, -1) - logits.gather(1, targets[rows, None])[:, 0]
     m = mask[rows]
     return (nll * m).sum() / torch.clamp(m.sum(), min=1e-10), new_caches
 
 
-def reference_loss(model, tokens, eta, theta, heads, clipped):
+def reference_loss(model, tokens, eta, theta, heads, clipped, window=WINDOW):
     """The official meta-loss of one sequence tokens (L + 1,): prefix once, then chunk by chunk."""
     blocks = official_weights(model, model.cfg.head_dim)
     inputs, targets = tokens[:-1], tokens[1:]
@@ -138,16 +139,18 @@ def reference_loss(model, tokens, eta, theta, heads, clipped):
     h = model.embed.weight[inputs]
     for block in blocks[: model.first_suffix]:
         q, k, v = project_heads(rms(h, block["seq_norm"]), block, heads, positions, theta)
-        attended = attend(q, rope_interleaved(k, positions, theta), v, positions, positions)
+        attended = attend(q, rope_interleaved(k, positions, theta), v, positions, positions, window)
         h = block_tail(h, attended, block, None)
     suffix = blocks[model.first_suffix :]
     phi = [list(block["phi"]) for block in suffix]
-    zeros = torch.zeros(WINDOW, heads, h.shape[1] // heads, dtype=torch.float64)
+    zeros = torch.zeros(window, heads, h.shape[1] // heads, dtype=torch.float64)
     caches = [(zeros, zeros) for _ in suffix]
     chunk_losses = []
     for c in range(len(inputs) // CHUNK):
         rows = torch.arange(c * CHUNK, (c + 1) * CHUNK)
-        loss_c, new_caches = suffix_chunk(h, rows, phi, caches, suffix, model, targets, mask, theta, heads)
+        loss_c, new_caches = suffix_chunk(
+            h, rows, phi, caches, suffix, model, targets, mask, theta, heads, window
+        )
         flat = [w for weights in phi for w in weights]
         grads = torch.autograd.grad(loss_c, flat, create_graph=True)
         norm = torch.sqrt(sum(g.square().sum() for g in grads))
@@ -170,17 +173,29 @@ def sample_batch(vocab=256):
     return {"tokens": tokens, "loss_mask": tokens[:, 1:] != BOS}
 
 
-@pytest.fixture(scope="module")
-def learner():
+def build_learner(*overrides):
     torch.manual_seed(0)
-    learner = build_module(load_config(TINY)).double()
+    learner = build_module(load_config([*TINY, *overrides])).double()
     assert learner.model.inner_cfg.checkpoint and learner.model.ttt_cfg.checkpoint_prefix
     return learner
 
 
+@pytest.fixture(scope="module")
+def learner():
+    return build_learner()
+
+
 @pytest.mark.slow
-def test_the_recipe_equals_the_literal_official_algorithm_to_1e_10(learner):
+@pytest.mark.parametrize("window", [WINDOW, 12], ids=["window-6", "window-12-covers"])
+def test_the_recipe_equals_the_literal_official_algorithm_to_1e_10(window, learner):
+    """Window 6: the suffix's keys and values are concatenated per chunk, cut to the window. Window 12,
+    which covers the 13-position read but for its last query (as 8,192 does TTT-E2E's 8,193-token
+    slices): they are written into one shared buffer (`PrefixCache`), replayed in place when a chunk is
+    recomputed."""
+    if window != WINDOW:
+        learner = build_learner(f"model.window={window}")
     model, cfg = learner.model, learner.model.cfg
+    assert isinstance(model.suffix[0].initial_cache(13, CHUNK), PrefixCache) == (window != WINDOW)
     batch = sample_batch()
     params = [p for p in learner.parameters() if p.requires_grad]
     passes = learner.split_passes(batch)
@@ -192,7 +207,10 @@ def test_the_recipe_equals_the_literal_official_algorithm_to_1e_10(learner):
     assert eta == pytest.approx(0.101875)  # 0.1 + 0.9 * (0 + 1) / 480 at the first outer step
     clipped = []
     theirs = torch.stack(
-        [reference_loss(model, row, eta, cfg.rope_theta, cfg.n_heads, clipped) for row in batch["tokens"]]
+        [
+            reference_loss(model, row, eta, cfg.rope_theta, cfg.n_heads, clipped, window)
+            for row in batch["tokens"]
+        ]
     ).mean()
     their_grads = torch.autograd.grad(theirs, params)
     assert True in clipped and False in clipped  # both branches of the clip rule are exercised

@@ -39,8 +39,6 @@ class MemoryBlock(SuffixBlock):
     a `NeuralMemory` (layers.{i}.memory.*). Each chunk continues its cache once: under full causal
     attention the keys and values share one buffer (`SuffixBlock.shares_prefix`)."""
 
-    shares_prefix = True
-
     def __init__(self, block: Block, cfg: TransformerConfig, memory: MemoryConfig):
         if cfg.post_norm:
             raise ValueError("model.post_norm is not supported in neural-memory blocks: set it false")
