@@ -59,14 +59,17 @@ def launch(command: list[str], cwd: Path, returncode: int = 0) -> str:
     return done.stderr
 
 
-def train(cwd: Path, recipe: str, name: str, *overrides: str, counts: Path | None = None) -> Path:
+def train(
+    cwd: Path, recipe: str, name: str, *overrides: str, counts: Path | None = None, entry: list | None = None
+) -> Path:
     """`python -m ttt.train` of the tiny `recipe` into cwd/runs/name, or with `counts` the same through
-    count_allreduce.py, which writes the gradient all-reduces of each outer step there; returns the run
-    directory."""
+    count_allreduce.py, which writes the gradient all-reduces of each outer step there, or through the
+    script and arguments `entry`; returns the run directory."""
     if recipe == "ttt_e2e":
         write_tiny_corpus(cwd / "corpus")
     args = [f"recipe={recipe}", *TINY_RECIPES[recipe], *COMMON, f"run.name={name}", *overrides]
-    entry = ["-m", "ttt.train"] if counts is None else [str(PROBE), str(counts)]
+    if entry is None:
+        entry = ["-m", "ttt.train"] if counts is None else [str(PROBE), str(counts)]
     launch([sys.executable, *entry, *args], cwd)
     return cwd / "runs" / name
 
