@@ -70,14 +70,17 @@ class TTTConfig:
     the suffix. A whole-model second derivative (a Hessian-vector product through the prefix) then stops
     with torch's error for a missing double backward."""
     compile_prefix: bool = False
-    """Run the prefix blocks through torch.compile on CUDA (`ttt.layers.suffix_reader.run_prefix_block`;
-    the CPU runs them eagerly): their element-wise ops, norms and casts fuse into a few kernels around
-    the products and attention, and so does their first derivative. The prefix needs first derivatives
-    only (see prefix_attention); a whole-model second derivative through it then stops with torch's
-    error for a differentiable backward of a compiled graph. The first step compiles them."""
+    """Run the prefix blocks through torch.compile on CUDA
+    (`ttt.layers.suffix_reader.run_block_over_sequence`; the CPU runs them eagerly): their element-wise
+    ops, norms and casts fuse into a few kernels around the products and attention, and so does their
+    first derivative. The prefix needs first derivatives only (see prefix_attention); a whole-model
+    second derivative through it then stops with torch's error for a differentiable backward of a
+    compiled graph. The first step compiles them. A read without adapting (ttt.enabled=false,
+    read(adapt=False)) runs its suffix blocks the same way."""
     checkpoint_prefix: bool = False
     """Recompute each prefix block (the blocks before the suffix) in the outer backward: only its input
-    is saved, one (sequences, seq_len, d_model) tensor a block, for one more forward of the prefix."""
+    is saved, one (sequences, seq_len, d_model) tensor a block, for one more forward of the prefix. A
+    read without adapting recomputes its suffix blocks the same way (so does inner.checkpoint)."""
 
     checkpoint_segment: int | None = None
     """With chunk recomputation (inner.checkpoint; memory.checkpoint for a neural memory), also recompute

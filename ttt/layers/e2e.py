@@ -30,7 +30,7 @@ from ttt.models.transformer import Transformer
 
 from .config import TTTConfig
 from .fast_weights import FastCarry, adapt_chunk, detached_carry, initial_carry, read_options
-from .reader import Chunk, ReadOptions
+from .reader import Chunk, ReadOptions, check_loss_mask, check_tokens
 from .suffix_block import SuffixBlock
 from .suffix_reader import SuffixReader
 
@@ -84,6 +84,36 @@ class TTTTransformer(SuffixReader):
 
     def _detached(self, carry: FastCarry) -> FastCarry:
         return detached_carry(carry)
+
+    def _read(
+        self, tokens: torch.Tensor, options: ReadOptions, loss_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Adapting: the chunked reading (`ChunkedReader._read`). Without adapting every chunk would read
+        the initial fast weights, the suffix blocks' own parameters: the suffix blocks then read the whole
+        sequences at once as the prefix blocks do (`blocks_over_sequence`: no chunk loop or key/value
+        cache; recomputed in the outer backward with inner.checkpoint or ttt.checkpoint_prefix), and the
+        head scores them chunk by chunk (the logits of one chunk at a time without ttt.fused_loss). Same
+        losses, logits and gradients. tokens (B, N) -> (logits (B, N, V) or None unless
+        options.keep_logits, next-token losses (B, N - 1))."""
+        if options.adapt:
+            return super()._read(tokens, options, loss_mask)
+        check_tokens(tokens)
+        check_loss_mask(loss_mask, tokens)
+        whole = self._positions(tokens, options)
+        with torch.set_grad_enabled(options.outer_grad and torch.is_grad_enabled()):
+            recompute = options.checkpoint or self.ttt_cfg.checkpoint_prefix
+            x = self.blocks_over_sequence(
+                self.suffix, whole.inputs, whole.cos, whole.sin, recompute=recompute
+            )
+            size, keep = self.ttt_cfg.chunk_len, options.keep_logits
+            scored = [
+                self._score(x[:, start : start + size], whole.targets[:, start : start + size], keep)
+                for start in range(0, tokens.shape[1], size)
+            ]
+        if options.on_chunk is not None:
+            options.on_chunk(tokens.shape[1])
+        logits = torch.cat([logits for logits, _ in scored], dim=1) if options.keep_logits else None
+        return logits, torch.cat([losses for _, losses in scored], dim=1)
 
     def read_suffix(
         self, fast: dict[str, torch.Tensor], chunk: Chunk, caches: list

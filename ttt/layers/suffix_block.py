@@ -115,7 +115,17 @@ class SuffixBlock(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache = None):
         """One chunk: x (B, C, d_model) -> ((B, C, d_model), the key/value cache for the next chunk)."""
         attended, cache = self.attend(self.attn_norm(x), cos, sin, cache)
-        x = residual(x, attended, self.attn_post_norm)
+        return self._after_attention(residual(x, attended, self.attn_post_norm)), cache
+
+    def read_whole(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Whole sequences at once, with this block's own weights and no cache: x (B, N, d_model), cos, sin
+        (N, head_dim) of positions 0..N-1 -> (B, N, d_model); what `forward` computes chunk by chunk from
+        an empty cache."""
+        attended = self.attn(self.attn_norm(x), cos, sin)
+        return self._after_attention(residual(x, attended, self.attn_post_norm))
+
+    def _after_attention(self, x: torch.Tensor) -> torch.Tensor:
+        """The extra MLP (when there is one) and the MLP, each a residual: (B, C, d_model) -> same."""
         if self.ttt_mlp is not None:
             x = residual(x, self.ttt_mlp(self.ttt_norm(x)), self.ttt_post_norm)
-        return residual(x, self.mlp(self.mlp_norm(x)), self.mlp_post_norm), cache
+        return residual(x, self.mlp(self.mlp_norm(x)), self.mlp_post_norm)

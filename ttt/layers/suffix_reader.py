@@ -8,7 +8,7 @@ by the `ChunkedReader` engine, the blocks before them (the prefix) once over the
         head scores its next tokens (`_score`).
 
 ttt.checkpoint_prefix recomputes each prefix block in the outer backward (only its input is saved);
-ttt.compile_prefix runs the prefix blocks through torch.compile on CUDA (`run_prefix_block`).
+ttt.compile_prefix runs the prefix blocks through torch.compile on CUDA (`run_block_over_sequence`).
 Subclasses: `TTTTransformer` (fast-weight MLPs), `NeuralMemoryTransformer` (memory blocks).
 """
 
@@ -26,20 +26,23 @@ from ttt.models.transformer import Block, Transformer, next_token_losses, rope_c
 
 from .config import TTTConfig
 from .reader import Chunk, ChunkedReader, ReadOptions
-from .suffix_block import detach_cache
+from .suffix_block import SuffixBlock, detach_cache
 
 
 def _run_block(block: nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    if isinstance(block, SuffixBlock):
+        return block.read_whole(hidden, cos, sin)
     return block(hidden, cos, sin)
 
 
 _compiled_run_block = torch.compile(_run_block)
 
 
-def run_prefix_block(
+def run_block_over_sequence(
     block: nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, compiled: bool
 ) -> torch.Tensor:
-    """block(hidden (B, N, d_model), cos, sin (N, head_dim)) -> (B, N, d_model); compiled: through
+    """A block (a prefix `Block`, or a `SuffixBlock` read without a cache: `SuffixBlock.read_whole`) over
+    whole sequences: hidden (B, N, d_model), cos, sin (N, head_dim) -> (B, N, d_model); compiled: through
     torch.compile, one graph for every block of one structure (the parameters are the graph's inputs,
     not constants), differentiable once: a second derivative through it raises torch's error."""
     return (_compiled_run_block if compiled else _run_block)(block, hidden, cos, sin)
@@ -107,14 +110,25 @@ class SuffixReader(ChunkedReader):
         of the absolute positions, as one chunk; the prefix keeps its graph only for an outer gradient."""
         cos, sin = self.rope_tables(tokens.shape[1], tokens.device)
         grad = options.outer_grad and torch.is_grad_enabled()
-        run = partial(run_prefix_block, compiled=self.ttt_cfg.compile_prefix and tokens.is_cuda)
         with torch.set_grad_enabled(grad):
             hidden = self.embed(tokens)
-            for block in self.layers[: self.first_suffix]:
-                hidden = maybe_checkpoint(
-                    run, block, hidden, cos, sin, enabled=grad and self.ttt_cfg.checkpoint_prefix
-                )
+            hidden = self.blocks_over_sequence(
+                self.layers[: self.first_suffix], hidden, cos, sin, recompute=self.ttt_cfg.checkpoint_prefix
+            )
         return Chunk(hidden, tokens[:, 1:], cos, sin, mask=None, last=True)
+
+    def blocks_over_sequence(
+        self, blocks: list[nn.Module], hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+        recompute: bool,
+    ) -> torch.Tensor:  # fmt: skip
+        """blocks one after another over whole sequences hidden (B, N, d_model) (`run_block_over_sequence`;
+        cos, sin (N, head_dim)): compiled with ttt.compile_prefix on CUDA, and with recompute, under grad
+        mode, each recomputed in the outer backward (only its input saved). Returns (B, N, d_model)."""
+        run = partial(run_block_over_sequence, compiled=self.ttt_cfg.compile_prefix and hidden.is_cuda)
+        recompute = recompute and torch.is_grad_enabled()
+        for block in blocks:
+            hidden = maybe_checkpoint(run, block, hidden, cos, sin, enabled=recompute)
+        return hidden
 
     def _initial_caches(self, positions: int) -> list:
         """Each suffix block's cache before the first chunk of a read of `positions` positions."""

@@ -16,10 +16,10 @@ NO_GRAPH = 3
 
 
 def main() -> int:
-    run_prefix_block, train = suffix_reader.run_prefix_block, ttt.train.main
+    run_block_over_sequence, train = suffix_reader.run_block_over_sequence, ttt.train.main
 
     def compiled_anywhere(*args, compiled: bool):
-        return run_prefix_block(*args, compiled=True)
+        return run_block_over_sequence(*args, compiled=True)
 
     def train_and_check() -> int:
         status = train()
@@ -28,7 +28,7 @@ def main() -> int:
             return NO_GRAPH
         return status
 
-    suffix_reader.run_prefix_block = compiled_anywhere
+    suffix_reader.run_block_over_sequence = compiled_anywhere
     ttt.train.main = train_and_check
     ttt.train.cli()
 

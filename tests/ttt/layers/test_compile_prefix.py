@@ -1,6 +1,7 @@
 """ttt.compile_prefix: the prefix blocks through torch.compile (inductor's C++ kernels on the CPU) give the
 eager blocks' outputs and first derivatives in float64, compile one graph for blocks of one structure,
-refuse a second derivative, and leave a second-order TTT loss and its gradients unchanged."""
+refuse a second derivative, and leave a second-order TTT loss and its gradients unchanged; a read without
+adapting compiles its suffix blocks too."""
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from recipes import load_config
 from recipes.ttt_e2e import build_module
 from ttt.inner import maybe_checkpoint
 from ttt.layers import suffix_reader
-from ttt.layers.suffix_reader import run_prefix_block
+from ttt.layers.suffix_reader import run_block_over_sequence
 from ttt.models.transformer import Block, TransformerConfig, rope_cos_sin
 
 pytestmark = pytest.mark.slow  # inductor compiles C++ kernels: about ten seconds a graph on two cores
@@ -32,7 +33,7 @@ def blocks_and_input(n_blocks=3, rows=37):
 def run_blocks(blocks, x, cos, sin, *, compiled, checkpoint=False):
     for block in blocks:
         x = maybe_checkpoint(
-            lambda b, h, c, s: run_prefix_block(b, h, c, s, compiled=compiled), block, x, cos, sin,
+            lambda b, h, c, s: run_block_over_sequence(b, h, c, s, compiled=compiled), block, x, cos, sin,
             enabled=checkpoint,
         )  # fmt: skip
     return x
@@ -75,13 +76,13 @@ def test_a_compiled_prefix_leaves_the_second_order_loss_and_gradients_unchanged(
 
     def compiled_anywhere(*args, compiled):
         asked.append(compiled)
-        return run_prefix_block(*args, compiled=True)
+        return run_block_over_sequence(*args, compiled=True)
 
     batch = sample_batch()
     results = []
     for options in (TINY, [*TINY, "ttt.compile_prefix=true", *attention]):
         if options is not TINY:
-            monkeypatch.setattr(suffix_reader, "run_prefix_block", compiled_anywhere)
+            monkeypatch.setattr(suffix_reader, "run_block_over_sequence", compiled_anywhere)
         torch.manual_seed(0)
         learner = build_module(load_config(options)).double()
         params = [p for p in learner.parameters() if p.requires_grad]
@@ -92,6 +93,31 @@ def test_a_compiled_prefix_leaves_the_second_order_loss_and_gradients_unchanged(
     torch.testing.assert_close(compiled, plain, rtol=1e-12, atol=1e-12)
     for mine, reference in zip(compiled_grads, plain_grads, strict=True):
         torch.testing.assert_close(mine, reference, rtol=1e-10, atol=1e-12)
+
+
+def test_a_read_without_adapting_compiles_its_suffix_blocks_too(monkeypatch):
+    """ttt.enabled=false: the prefix and the suffix blocks read whole sequences (`TTTTransformer._read`),
+    here all compiled on the CPU: in one pass, one graph for the prefix block and one for the suffix
+    blocks, and the eager read's losses and gradients in float64."""
+    batch = sample_batch()
+    results = []
+    for compiled in (False, True):
+        monkeypatch.setattr(
+            suffix_reader, "run_block_over_sequence", lambda *args, compiled, force=compiled: (
+                run_block_over_sequence(*args, compiled=force)
+            ),
+        )  # fmt: skip
+        torch.manual_seed(0)
+        options = [*TINY, "ttt.enabled=false", "ttt.compile_prefix=true", "ttt.sequences_per_pass=3"]
+        learner = build_module(load_config(options)).double()
+        params = [p for p in learner.parameters() if p.requires_grad]
+        torch._dynamo.reset()
+        counters.clear()
+        loss = sum(learner.pass_loss(rows, len(batch["tokens"]))[0] for rows in learner.split_passes(batch))
+        results.append((loss, *torch.autograd.grad(loss, params)))
+        assert counters["stats"]["unique_graphs"] == (2 if compiled else 0)
+    for got, want in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
 def _relative_error(got, want):

@@ -227,13 +227,14 @@ def test_chunk_recomputation_leaves_only_the_carries_after_the_forward(first_ord
     assert kept[1] < (0.6 if first_order else 0.25) * kept[0], kept  # measured about 0.5 and 0.2
 
 
-def test_a_read_without_test_time_training_recomputes_its_chunks_too():
-    """adapt=False (ttt.enabled=false, the baseline): inner.checkpoint recomputes the suffix blocks chunk
-    by chunk as plain activation checkpointing, gradients unchanged, far fewer bytes left for the backward."""
+def test_a_read_without_test_time_training_recomputes_its_suffix_blocks_too():
+    """adapt=False (ttt.enabled=false, the baseline) reads the suffix blocks over whole sequences:
+    inner.checkpoint recomputes them in the outer backward as ttt.checkpoint_prefix does the prefix,
+    gradients unchanged, far fewer bytes left for the backward."""
     tokens = torch.randint(0, 37, (2, 96), generator=torch.Generator().manual_seed(8))
     kept, grads = [], []
     for checkpoint in (False, True):
-        model = make_ttt(chunk_len=8, checkpoint_prefix=True, checkpoint=checkpoint, segment=4)
+        model = make_ttt(chunk_len=8, checkpoint=checkpoint)
         with LiveTensorMeter() as meter:
             loss = model.read(tokens, adapt=False)[1].mean()
             kept.append(meter.live_bytes)
@@ -242,7 +243,7 @@ def test_a_read_without_test_time_training_recomputes_its_chunks_too():
         assert (got is None) == (want is None)
         if got is not None:
             torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
-    assert kept[1] < 0.5 * kept[0], kept
+    assert kept[1] < 0.5 * kept[0], kept  # measured 0.35 (the prefix kept in both)
 
 
 def test_segments_keep_the_carry_of_every_kth_chunk_only():

@@ -1,12 +1,16 @@
 """`TTTTransformer`: chunked reading equals the plain model, updates are causal, the outer gradient goes
 through the inner steps exactly (float64 finite differences), and the options do what they say."""
 
+from dataclasses import replace
+from functools import partial
+
 import pytest
 import torch
 from reader_checks import assert_rows_read_as_if_alone, meta_loss
 
 from ttt.inner import InnerLoopConfig
 from ttt.layers import TTTConfig, TTTTransformer
+from ttt.layers.reader import ChunkedReader
 from ttt.models import Transformer, TransformerConfig
 from ttt.models.rope import RopeScaling
 
@@ -233,3 +237,30 @@ def test_flashbob_kernels_through_the_chunked_layer_match_eager(monkeypatch):
     torch.testing.assert_close(triton_loss, eager_loss, rtol=1e-5, atol=1e-6)
     for a, b in zip(triton_grads, eager_grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("window, chunk_len", [(5, 4), (None, 4), (8, 7), (3, 19)], ids=str)
+@pytest.mark.parametrize("fused_loss", [True, False], ids=["fused-loss", "logits"])
+@pytest.mark.parametrize("checkpoint_prefix", [False, True], ids=["kept", "recomputed"])
+def test_reading_without_adapting_at_once_equals_the_chunked_reading(
+    window, chunk_len, fused_loss, checkpoint_prefix
+):
+    """Without adapting, the suffix blocks read whole sequences (`TTTTransformer._read`) instead of chunk
+    by chunk (`ChunkedReader._read`): the same losses, logits and gradients in float64 (windows shorter
+    and longer than a chunk, full attention, one chunk for all), and the same evaluation read."""
+    _, model = make(window=window, chunk_len=chunk_len, dtype=torch.float64)
+    model.ttt_cfg = replace(model.ttt_cfg, fused_loss=fused_loss, checkpoint_prefix=checkpoint_prefix)
+    x, params = tokens(), [p for p in model.parameters() if p.requires_grad]
+    results = []
+    for read in (model._read, partial(ChunkedReader._read, model)):
+        options = model.read_options(
+            adapt=False, steps=None, first_order=None, lr_scale=1.0, outer_grad=True, keep_logits=False
+        )
+        logits, _ = read(x, replace(options, keep_logits=True))
+        _, losses = read(x, options)
+        grads = torch.autograd.grad(losses.square().sum(), params)
+        with torch.no_grad():
+            _, evaluated = read(x, replace(options, outer_grad=False))
+        results.append((logits, losses, *grads, evaluated))
+    for got, expected in zip(*results, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
