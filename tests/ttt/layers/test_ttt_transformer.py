@@ -243,7 +243,7 @@ def test_flashbob_kernels_through_the_chunked_layer_match_eager(monkeypatch):
 @pytest.mark.parametrize("fused_loss", [True, False], ids=["fused-loss", "logits"])
 @pytest.mark.parametrize("checkpoint_prefix", [False, True], ids=["kept", "recomputed"])
 def test_reading_without_adapting_at_once_equals_the_chunked_reading(
-    window, chunk_len, fused_loss, checkpoint_prefix
+    window, chunk_len, fused_loss, checkpoint_prefix, monkeypatch
 ):
     """Without adapting, the suffix blocks read whole sequences (`TTTTransformer._read`) instead of chunk
     by chunk (`ChunkedReader._read`): the same losses, logits and gradients in float64 (windows shorter
@@ -251,6 +251,9 @@ def test_reading_without_adapting_at_once_equals_the_chunked_reading(
     _, model = make(window=window, chunk_len=chunk_len, dtype=torch.float64)
     model.ttt_cfg = replace(model.ttt_cfg, fused_loss=fused_loss, checkpoint_prefix=checkpoint_prefix)
     x, params = tokens(), [p for p in model.parameters() if p.requires_grad]
+    chunks_read = []
+    read_chunk = model._read_chunk
+    monkeypatch.setattr(model, "_read_chunk", lambda *args: chunks_read.append(1) or read_chunk(*args))
     results = []
     for read in (model._read, partial(ChunkedReader._read, model)):
         options = model.read_options(
@@ -262,5 +265,6 @@ def test_reading_without_adapting_at_once_equals_the_chunked_reading(
         with torch.no_grad():
             _, evaluated = read(x, replace(options, outer_grad=False))
         results.append((logits, losses, *grads, evaluated))
+        assert bool(chunks_read) == (read != model._read)  # at once: no chunk read
     for got, expected in zip(*results, strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
