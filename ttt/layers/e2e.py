@@ -146,7 +146,7 @@ class TTTTransformer(SuffixReader):
             return (logits, new_caches), losses
 
         (logits, new_caches), scored, carry = adapt_chunk(
-            score, self.inner, carry, options, per_row=True, mask=chunk.mask
+            score, self.inner, carry, options, per_row=True, mask=chunk.mask, ends_sequence=chunk.last
         )
         return logits, scored, new_caches, carry
 

@@ -77,13 +77,16 @@ def adapt_chunk(
     *,
     per_row: bool,
     mask: torch.Tensor | None,
+    ends_sequence: bool,
 ) -> tuple[Any, torch.Tensor, FastCarry]:
     """One chunk of a fast-weight read: `score_then_step` with options.steps steps on the chunk's masked
-    mean loss (mask (B, T) or None). Returns (the first scoring's outputs, its losses (B, T), carry after
-    the steps)."""
+    mean loss (mask (B, T) or None), none on the chunk that ends the sequence (`Chunk.last`: no later
+    chunk reads the weights they would make, and scoring comes before them, so its losses are the same).
+    Returns (the first scoring's outputs, its losses (B, T), carry after the steps)."""
     fast, state, lrs = carry
+    steps = 0 if ends_sequence else options.steps
     outputs, scored, fast, state = score_then_step(
-        score, inner, fast, state, lrs, steps=options.steps, create_graph=options.create_graph,
+        score, inner, fast, state, lrs, steps=steps, create_graph=options.create_graph,
         per_row=per_row, scored_in_outer=options.outer_grad, mask=mask,
     )  # fmt: skip
     return outputs, scored, (fast, state, lrs)

@@ -9,7 +9,8 @@ Reading the sequences tokens (B, N) side by side:
     for each chunk c of ttt.chunk_len positions (`read_chunks`, which also hands back the end state):
         logits, per-token losses, caches, carry = `_read_chunk`(carry, chunk c of positions, caches):
         the chunk is scored and carry adapts (TTT-E2E: `score_then_step`, inner steps after scoring;
-        neural memory: writes inside the blocks);
+        neural memory: writes inside the blocks), except the chunk that ends the sequence (`Chunk.last`),
+        whose adaptation no later chunk would read;
     returns the chunks' logits (kept on request) and losses, concatenated along the sequence.
 
 With options.outer_grad=False every chunk's outputs and carry are detached (`_detached`: the fast
@@ -160,7 +161,8 @@ class ChunkedReader(nn.Module):
         carry and caches, in chunks of ttt.chunk_len from its first position, recomputed in segments with
         options.checkpoint. Returns (logits (B, n, V) or None unless options.keep_logits, losses (B, T)
         against positions.targets, and the end state: the caches and carry after its last chunk, which a
-        later read of the positions that follow continues from (`ttt.layers.generation`))."""
+        later read of the positions that follow continues from (`ttt.layers.generation`); when positions
+        end the sequence (positions.last), that chunk does not adapt, so carry is the one it read)."""
         recompute = options.checkpoint and options.outer_grad and torch.is_grad_enabled()
         options = replace(options, checkpoint=recompute)
         n = len(positions)

@@ -109,7 +109,7 @@ class TransformersTTTReader(ChunkedReader):
 
         with torch.set_grad_enabled(torch.is_grad_enabled() and (options.outer_grad or options.steps > 0)):
             logits, scored, carry = adapt_chunk(
-                score, self.inner, carry, options, per_row=False, mask=chunk.mask
+                score, self.inner, carry, options, per_row=False, mask=chunk.mask, ends_sequence=chunk.last
             )
         context = fed[:, fed.shape[1] - self.left_context(fed.shape[1]) :]  # the next chunk's left context
         return (logits if options.keep_logits else None), scored, [context], carry

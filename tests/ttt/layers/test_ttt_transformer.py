@@ -153,6 +153,34 @@ def test_checkpointed_inner_steps_give_the_same_gradients():
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("checkpoint", [False, True], ids=["kept", "recomputed"])
+def test_the_chunk_that_ends_the_sequence_takes_no_inner_step(checkpoint):
+    """Its steps would make weights no chunk reads: skipping them leaves the losses and the second-order
+    gradients as they are (against the same read with its last chunk stepped), and saves their work."""
+    _, model = make(dtype=torch.float64, steps=2, optimizer="momentum", checkpoint=checkpoint)
+    x = tokens(n=12)  # 3 chunks of 4: the last has 3 targets to step on
+    steps, step = [], model.inner.step
+    model.inner.step = lambda *args, **kwargs: steps.append(1) or step(*args, **kwargs)
+    params = list(model.parameters())
+
+    losses = model.token_losses(x)
+    grads = torch.autograd.grad(losses.sum(), params)
+    passes = 2 if checkpoint else 1  # a recomputed chunk steps again in the outer backward
+    assert len(steps) == 2 * 2 * passes, "2 chunks of 2 steps"
+
+    options = model.read_options(adapt=None, steps=None, first_order=None, lr_scale=1.0, outer_grad=True,
+                                 keep_logits=False)  # fmt: skip
+    stepped_last = replace(model._positions(x, options), last=False)
+    _, stepped_losses, _, _ = model.read_chunks(
+        model.start_carry(2, options), model._initial_caches(12), stepped_last, options
+    )
+    stepped_grads = torch.autograd.grad(stepped_losses.sum(), params)
+    assert len(steps) == (2 * 2 + 3 * 2) * passes, "the reference steps on its 3 chunks"
+    torch.testing.assert_close(losses, stepped_losses, rtol=0, atol=0)
+    for a, b in zip(grads, stepped_grads):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+
 @pytest.mark.parametrize(
     "params",
     [["layers.*.mlp.*"], ["layers.2.attn.*"], ["layers.*.ttt_mlp.*", "layers.1.attn.wq.weight"]],
