@@ -63,6 +63,11 @@ class TTTConfig:
     rows, never the (sequences, chunk_len, vocab) float32 logits that autograd would keep (twice over in
     a second-order graph); same losses and exact first and second derivatives. Readings that return
     logits use the plain head."""
+    fused_loss_keeps_logits: bool = False
+    """With fused_loss, keep each scored row's logits in the compute dtype (bf16 under bf16-mixed: 2 bytes
+    x vocab a row, 33.6 GB for a pass of 16 x 8,192 tokens of a 128,256 vocabulary) for the backward,
+    which otherwise recomputes them: one product over the vocabulary fewer per row in a backward. Same
+    values."""
     prefix_attention: AttentionBackend | None = None
     """The attention backend of the prefix blocks; null: model.attention. They need first derivatives
     only, also in second-order training (the inner gradients reach back to the suffix's input, never

@@ -103,7 +103,8 @@ class SuffixReader(ChunkedReader):
             logits = self.head(x)
             return (logits if keep_logits else None), next_token_losses(logits, targets)
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return None, linear_cross_entropy(self.norm(x[:, : targets.shape[1]]), weight, targets)
+        hidden, keep = self.norm(x[:, : targets.shape[1]]), self.ttt_cfg.fused_loss_keeps_logits
+        return None, linear_cross_entropy(hidden, weight, targets, keep_logits=keep)
 
     def _positions(self, tokens: torch.Tensor, options: ReadOptions) -> Chunk:
         """The prefix blocks' output (B, N, d_model) of every position and the RoPE tables (N, head_dim)

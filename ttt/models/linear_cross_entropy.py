@@ -46,6 +46,11 @@ in the autocast dtype when autocast is on (as F.linear would), the softmax arith
 the products themselves: `accumulate_product`), and on CUDA the element-wise work of a block is one
 compiled kernel or two that read the block's logits once (`torch.compile`), not a chain of float32
 passes.
+
+With keep_logits the forward also keeps z itself, in the compute dtype (rows * V of it: bf16 under
+autocast), and every backward reads it instead of recomputing it: one product over the vocabulary fewer
+in each (first order 1, second order 4), for that memory. The values are the same: the recomputed z is
+the same product of the same operands.
 """
 
 from __future__ import annotations
@@ -68,11 +73,13 @@ def linear_cross_entropy(
     targets: torch.Tensor,
     *,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
+    keep_logits: bool = False,
 ) -> torch.Tensor:
     """Per-token cross-entropy of the logits hidden @ weight.T against targets, without materialising
     them. hidden (..., d) float, weight (V, d), targets (...) int64 in [0, V) -> losses (...) in float32
     (float64 for float64 inputs). Equal to F.cross_entropy(hidden @ weight.T, targets, reduction="none")
-    with first and second derivatives exact in hidden and weight (module docstring)."""
+    with first and second derivatives exact in hidden and weight (module docstring). keep_logits: keep
+    the (rows, V) logits in the compute dtype for the backward instead of recomputing them."""
     if hidden.shape[:-1] != targets.shape:
         raise ValueError(
             f"targets must have the shape of hidden without its last dim, {tuple(hidden.shape[:-1])}, "
@@ -94,7 +101,7 @@ def linear_cross_entropy(
         compute_dtype = torch.promote_types(hidden.dtype, weight.dtype)
     loss_dtype = torch.promote_types(compute_dtype, torch.float32)
     block_rows = max(1, block_bytes // (4 * weight.shape[0]))
-    config = _Config(compute_dtype, loss_dtype, block_rows)
+    config = _Config(compute_dtype, loss_dtype, block_rows, keep_logits)
     losses, _ = _LinearCrossEntropy.apply(
         hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), config
     )
@@ -104,8 +111,11 @@ def linear_cross_entropy(
 class _Config:
     """The dtypes and block size of one call (not a tensor: autograd passes it through untouched)."""
 
-    def __init__(self, compute_dtype: torch.dtype, loss_dtype: torch.dtype, block_rows: int):
+    def __init__(
+        self, compute_dtype: torch.dtype, loss_dtype: torch.dtype, block_rows: int, keep_logits: bool
+    ):
         self.compute_dtype, self.loss_dtype, self.block_rows = compute_dtype, loss_dtype, block_rows
+        self.keep_logits = keep_logits
 
     def cast(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
         """tensor in the compute dtype (None stays None)."""
@@ -114,6 +124,11 @@ class _Config:
     def blocks(self, rows: int):
         """Row slices of at most block_rows rows covering range(rows)."""
         return (slice(start, min(start + self.block_rows, rows)) for start in range(0, rows, self.block_rows))
+
+
+def _logits(kept: torch.Tensor | None, h: torch.Tensor, w: torch.Tensor, rows: slice) -> torch.Tensor:
+    """z = h[rows] W^T (R, V) in the compute dtype: the kept logits' rows, else the product."""
+    return h[rows] @ w.t() if kept is None else kept[rows]
 
 
 def _softmax_minus_target(logits, lse, targets):
@@ -205,7 +220,8 @@ def _gradient_node(tensor: torch.Tensor):
 
 
 _FORWARDS = ReplayLog("linear_cross_entropy")
-"""The (lse, losses, G) of each forward run in a recomputed region, handed back to its recomputation."""
+"""The (lse, losses, G, kept logits or None) of each forward run in a recomputed region, handed back to
+its recomputation."""
 
 
 @register_replay
@@ -213,42 +229,46 @@ def recompute_contexts() -> tuple[contextlib.AbstractContextManager, contextlib.
     """(record, replay) contexts for a recomputed region (`ttt.inner.recompute`; also a valid `context_fn`
     of torch.utils.checkpoint, non-reentrant): the first context records the outputs
     of every `linear_cross_entropy` forward of the region, the second (the recomputation) hands them
-    back in the same order instead of recomputing them. Same values; O(rows * d) kept per call."""
+    back in the same order instead of recomputing them. Same values; O(rows * d) kept per call (and the
+    logits with keep_logits)."""
     return _FORWARDS.contexts()
 
 
-def _recorded_forward(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The next recorded (lse, losses, G) of the replaying region, for a call on hidden's rows."""
-    lse, losses, grad_dir = _FORWARDS.region().take()
+def _recorded_forward(
+    hidden: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The next recorded (lse, losses, G, kept logits or None) of the replaying region, for a call on
+    hidden's rows."""
+    lse, losses, grad_dir, kept = _FORWARDS.region().take()
     if lse.shape[0] != hidden.shape[0] or lse.device != hidden.device:
         raise RuntimeError(
             "linear_cross_entropy: the recomputation's forward differs from the recorded one "
             f"({hidden.shape[0]} rows on {hidden.device}, recorded {lse.shape[0]} on {lse.device})"
         )
-    return lse.detach(), losses.detach(), grad_dir.detach()  # fresh aliases: each becomes an output
+    return lse.detach(), losses.detach(), grad_dir.detach(), kept  # fresh aliases: each becomes an output
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     """hidden (M, d), weight (V, d), targets (M,) -> (losses (M,), G (M, d) in the compute dtype:
-    G_t = W^T (p_t - e_{y_t})); backward: module docstring."""
+    G_t = W^T (p_t - e_{y_t})); backward: module docstring (z kept with config.keep_logits)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, config):
         region = _FORWARDS.region()
         if region is not None and region.replaying:
-            lse, losses, grad_dir = _recorded_forward(hidden)
+            lse, losses, grad_dir, kept = _recorded_forward(hidden)
         else:
-            lse, losses, grad_dir = _forward(hidden, weight, targets, config)
+            lse, losses, grad_dir, kept = _forward(hidden, weight, targets, config)
             if region is not None:  # aliases: the outputs themselves would keep this node's graph alive
-                region.record((lse, losses.detach(), grad_dir.detach()))
-        ctx.save_for_backward(hidden, weight, targets, lse, grad_dir)
+                region.record((lse, losses.detach(), grad_dir.detach(), kept))
+        ctx.save_for_backward(hidden, weight, targets, lse, grad_dir, kept)
         ctx.set_materialize_grads(False)
         ctx.config, ctx.weight_node = config, _gradient_node(weight)
         return losses, grad_dir
 
     @staticmethod
     def backward(ctx, grad_losses, grad_dir_cot):
-        hidden, weight, targets, lse, grad_dir = ctx.saved_tensors
+        hidden, weight, targets, lse, grad_dir, kept = ctx.saved_tensors
         want_hidden = ctx.needs_input_grad[0]
         want_weight = ctx.needs_input_grad[1] and _will_run(ctx.weight_node)
         if grad_dir_cot is not None:
@@ -256,52 +276,64 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad_losses = torch.zeros_like(lse)
             want = (want_hidden, want_weight)
             grad_hidden, grad_weight = _JointBackward.apply(
-                hidden, weight, targets, lse, grad_losses, grad_dir_cot, ctx.config, want
+                hidden, weight, targets, lse, grad_losses, grad_dir_cot, kept, ctx.config, want
             )
             return grad_hidden, grad_weight, None, None
         if grad_losses is None:
             return None, None, None, None
         grad_hidden = grad_losses[:, None] * grad_dir if want_hidden else None
         grad_weight = (
-            _WeightGrad.apply(hidden, weight, targets, lse, grad_losses, ctx.config) if want_weight else None
+            _WeightGrad.apply(hidden, weight, targets, lse, grad_losses, kept, ctx.config)
+            if want_weight
+            else None
         )
         return grad_hidden, grad_weight, None, None
 
 
-def _forward(hidden, weight, targets, config) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(lse (M,), losses (M,), G (M, d)) of hidden (M, d), weight (V, d), targets (M,), block by block."""
+def _forward(
+    hidden, weight, targets, config
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(lse (M,), losses (M,), G (M, d), the logits (M, V) with config.keep_logits else None) of
+    hidden (M, d), weight (V, d), targets (M,), block by block."""
     losses = hidden.new_empty(hidden.shape[0], dtype=config.loss_dtype)
     lse = torch.empty_like(losses)
     grad_dir = hidden.new_empty(hidden.shape, dtype=config.compute_dtype)
+    kept = (
+        hidden.new_empty(hidden.shape[0], weight.shape[0], dtype=config.compute_dtype)
+        if config.keep_logits
+        else None
+    )
     with torch.autocast(hidden.device.type, enabled=False):
         h, w = config.cast(hidden), config.cast(weight)
         w_t = w.t()
         for rows in config.blocks(hidden.shape[0]):
-            lse[rows], losses[rows], p_minus = forward_terms(h[rows] @ w_t, targets[rows], config.loss_dtype)
+            logits = h[rows] @ w_t if kept is None else torch.mm(h[rows], w_t, out=kept[rows])
+            lse[rows], losses[rows], p_minus = forward_terms(logits, targets[rows], config.loss_dtype)
             grad_dir[rows] = p_minus @ w
-    return lse, losses, grad_dir
+    return lse, losses, grad_dir, kept
 
 
 class _WeightGrad(torch.autograd.Function):
-    """(hidden (M, d), weight (V, d), targets, lse (M,), grad_losses (M,)) -> grad_W (V, d), in weight's
-    dtype: sum_t g_t (p_t - e_{y_t}) h_t^T; differentiable once more (module docstring)."""
+    """(hidden (M, d), weight (V, d), targets, lse (M,), grad_losses (M,), kept logits (M, V) or None) ->
+    grad_W (V, d), in weight's dtype: sum_t g_t (p_t - e_{y_t}) h_t^T; differentiable once more (module
+    docstring)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, lse, grad_losses, config):
+    def forward(ctx, hidden, weight, targets, lse, grad_losses, kept, config):
         grad_weight = torch.zeros_like(weight, dtype=config.loss_dtype)
         with torch.autocast(hidden.device.type, enabled=False):
             h, w = config.cast(hidden), config.cast(weight)
             for rows in config.blocks(hidden.shape[0]):
-                dz = logit_grad(h[rows] @ w.t(), lse[rows], targets[rows], grad_losses[rows])
+                dz = logit_grad(_logits(kept, h, w, rows), lse[rows], targets[rows], grad_losses[rows])
                 accumulate_product(grad_weight, dz.t(), h[rows])
-        ctx.save_for_backward(hidden, weight, targets, lse, grad_losses)
+        ctx.save_for_backward(hidden, weight, targets, lse, grad_losses, kept)
         ctx.config = config
         return grad_weight.to(weight.dtype)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, cot_weight):
-        hidden, weight, targets, lse, grad_losses = ctx.saved_tensors
+        hidden, weight, targets, lse, grad_losses, kept = ctx.saved_tensors
         config = ctx.config
         need_hidden, need_weight, _, _, need_grad = ctx.needs_input_grad[:5]
         d_hidden = torch.zeros_like(hidden) if need_hidden else None
@@ -311,7 +343,7 @@ class _WeightGrad(torch.autograd.Function):
             h, w, b = config.cast(hidden), config.cast(weight), config.cast(cot_weight)
             for rows in config.blocks(hidden.shape[0]):
                 r, dz, dg = weight_grad_second(
-                    h[rows] @ w.t(), h[rows] @ b.t(), lse[rows], targets[rows], grad_losses[rows]
+                    _logits(kept, h, w, rows), h[rows] @ b.t(), lse[rows], targets[rows], grad_losses[rows]
                 )
                 if need_grad:
                     d_grad[rows] = dg
@@ -320,17 +352,18 @@ class _WeightGrad(torch.autograd.Function):
                 if need_weight:
                     accumulate_product(d_weight, r.t(), h[rows])
         d_weight = None if d_weight is None else d_weight.to(weight.dtype)
-        return d_hidden, d_weight, None, None, d_grad, None
+        return d_hidden, d_weight, None, None, d_grad, None, None
 
 
 class _JointBackward(torch.autograd.Function):
     """The backward of a second-order graph, where both outputs of `_LinearCrossEntropy` were reached:
-    (hidden (M, d), weight (V, d), targets, lse (M,), grad_losses g (M,), cot_dir c (M, d)) ->
+    (hidden (M, d), weight (V, d), targets, lse (M,), grad_losses g (M,), cot_dir c (M, d), kept logits
+    (M, V) or None) ->
     (grad_h (M, d) or None, grad_W (V, d) or None) as `want` asks (module docstring). Not
     differentiable: a third derivative is not provided."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, lse, grad_losses, cot_dir, config, want):
+    def forward(ctx, hidden, weight, targets, lse, grad_losses, cot_dir, kept, config, want):
         want_hidden, want_weight = want
         grad_hidden = torch.empty_like(hidden) if want_hidden else None
         grad_weight = torch.zeros_like(weight, dtype=config.loss_dtype) if want_weight else None
@@ -338,7 +371,7 @@ class _JointBackward(torch.autograd.Function):
             h, w, c = config.cast(hidden), config.cast(weight), config.cast(cot_dir)
             for rows in config.blocks(hidden.shape[0]):
                 r, p_minus = joint_terms(
-                    h[rows] @ w.t(), c[rows] @ w.t(), lse[rows], targets[rows], grad_losses[rows]
+                    _logits(kept, h, w, rows), c[rows] @ w.t(), lse[rows], targets[rows], grad_losses[rows]
                 )
                 if want_hidden:
                     grad_hidden[rows] = r @ w

@@ -8,6 +8,7 @@ from typing import Any
 MEMORY_KEYS = (
     # (key, value that saves memory, what it costs), most effective and cheapest first
     ("ttt.fused_loss", True, "none: exact; the head and loss in blocks of rows, no float32 logits kept"),
+    ("ttt.fused_loss_keeps_logits", False, "one more product over the vocabulary per row in a backward"),
     (
         "ttt.checkpoint_prefix",
         True,

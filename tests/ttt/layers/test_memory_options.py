@@ -21,14 +21,18 @@ DOUBLE = torch.float64
 
 @pytest.mark.parametrize("rows, vocab, dim", [(37, 63, 48), (5, 80, 7)], ids=str)
 @pytest.mark.parametrize("block_rows", [3, 1000])
-def test_linear_cross_entropy_matches_cross_entropy_to_the_second_derivative(rows, vocab, dim, block_rows):
+@pytest.mark.parametrize("keep_logits", [False, True], ids=["recomputed", "kept"])
+def test_linear_cross_entropy_matches_cross_entropy_to_the_second_derivative(
+    rows, vocab, dim, block_rows, keep_logits
+):
     gen = torch.Generator().manual_seed(rows)
     hidden = torch.randn(rows, dim, dtype=DOUBLE, generator=gen, requires_grad=True)
     weight = torch.randn(vocab, dim, dtype=DOUBLE, generator=gen, requires_grad=True)
     targets = torch.randint(0, vocab, (rows,), generator=gen)
 
     def fused(h, w):
-        return linear_cross_entropy(h, w, targets, block_bytes=4 * vocab * block_rows)
+        blocks = 4 * vocab * block_rows
+        return linear_cross_entropy(h, w, targets, block_bytes=blocks, keep_logits=keep_logits)
 
     def plain(h, w):
         return F.cross_entropy(h @ w.t(), targets, reduction="none")
@@ -47,14 +51,15 @@ def test_linear_cross_entropy_matches_cross_entropy_to_the_second_derivative(row
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
-def test_linear_cross_entropy_passes_gradcheck_and_gradgradcheck():
+@pytest.mark.parametrize("keep_logits", [False, True], ids=["recomputed", "kept"])
+def test_linear_cross_entropy_passes_gradcheck_and_gradgradcheck(keep_logits):
     gen = torch.Generator().manual_seed(0)
     hidden = torch.randn(5, 4, dtype=DOUBLE, generator=gen, requires_grad=True)
     weight = torch.randn(7, 4, dtype=DOUBLE, generator=gen, requires_grad=True)
     targets = torch.randint(0, 7, (5,), generator=gen)
 
     def fused(h, w):
-        return linear_cross_entropy(h, w, targets, block_bytes=4 * 7 * 2)  # blocks of 2 rows
+        return linear_cross_entropy(h, w, targets, block_bytes=4 * 7 * 2, keep_logits=keep_logits)  # 2 rows
 
     assert torch.autograd.gradcheck(fused, (hidden, weight))
     assert torch.autograd.gradgradcheck(fused, (hidden, weight))
@@ -75,40 +80,54 @@ class VocabProducts(TorchDispatchMode):
         return out
 
 
-def test_linear_cross_entropy_runs_two_vocabulary_products_forward_none_for_an_inner_step_five_after():
+@pytest.mark.parametrize("keep_logits, after", [(False, 5), (True, 4)], ids=["recomputed", "kept"])
+def test_linear_cross_entropy_runs_two_vocabulary_products_forward_none_for_an_inner_step_five_after(
+    keep_logits, after
+):
     """The work of one TTT chunk's head: forward (logits and G), the inner step's gradient in hidden
-    (element-wise from G), the second-order graph's backward into hidden and weight (one block)."""
+    (element-wise from G), the second-order graph's backward into hidden and weight (one block): one
+    product fewer when the forward keeps the logits. A first-order backward into the weight: 2, or 1."""
     gen = torch.Generator().manual_seed(1)
     hidden = torch.randn(6, 5, dtype=DOUBLE, generator=gen, requires_grad=True)
     weight = torch.randn(11, 5, dtype=DOUBLE, generator=gen, requires_grad=True)
     targets = torch.randint(0, 11, (6,), generator=gen)
     counted = []
     with VocabProducts(11) as products:
-        losses = linear_cross_entropy(hidden, weight, targets)
+        losses = linear_cross_entropy(hidden, weight, targets, keep_logits=keep_logits)
         counted.append(products.count)
         (grad_hidden,) = torch.autograd.grad(losses.mean(), hidden, create_graph=True)
         counted.append(products.count - sum(counted))
         torch.autograd.grad(grad_hidden.square().sum() + losses.sum(), (hidden, weight))
         counted.append(products.count - sum(counted))
-    assert counted == [2, 0, 5]
+        again = linear_cross_entropy(hidden, weight, targets, keep_logits=keep_logits)
+        torch.autograd.grad(again.sum(), weight)
+        counted.append(products.count - sum(counted) - 2)
+    assert counted == [2, 0, after, after - 3]
 
 
-def test_a_recomputed_linear_cross_entropy_hands_back_its_recorded_forward():
+@pytest.mark.parametrize("keep_logits", [False, True], ids=["recomputed", "kept"])
+def test_a_recomputed_linear_cross_entropy_hands_back_its_recorded_forward(keep_logits):
     """Inside a recomputed region's replay the forward runs no product over the vocabulary and gives
-    the recorded values; a replay that does not match the recording is refused."""
+    the recorded values (with keep_logits, its backward into the weight none either: the recorded
+    logits come back too); a replay that does not match the recording is refused."""
     gen = torch.Generator().manual_seed(2)
     hidden = torch.randn(6, 5, dtype=DOUBLE, generator=gen, requires_grad=True)
     weight = torch.randn(11, 5, dtype=DOUBLE, generator=gen, requires_grad=True)
     targets = torch.randint(0, 11, (6,), generator=gen)
     record, replay = recompute_contexts()
     with record:
-        recorded = linear_cross_entropy(hidden, weight, targets)
+        recorded = linear_cross_entropy(hidden, weight, targets, keep_logits=keep_logits)
     with replay, VocabProducts(11) as products:
-        replayed = linear_cross_entropy(hidden, weight, targets)
-        (grad,) = torch.autograd.grad(replayed.sum(), hidden)
+        replayed = linear_cross_entropy(hidden, weight, targets, keep_logits=keep_logits)
+        (grad,) = torch.autograd.grad(replayed.sum(), hidden, retain_graph=True)
     assert products.count == 0
+    with VocabProducts(11) as products:
+        (grad_weight,) = torch.autograd.grad(replayed.sum(), weight)
+    assert products.count == (1 if keep_logits else 2)
     torch.testing.assert_close(replayed, recorded, rtol=0, atol=0)
-    torch.testing.assert_close(grad, torch.autograd.grad(recorded.sum(), hidden)[0], rtol=0, atol=0)
+    want_grad, want_grad_weight = torch.autograd.grad(recorded.sum(), (hidden, weight))
+    torch.testing.assert_close(grad, want_grad, rtol=0, atol=0)
+    torch.testing.assert_close(grad_weight, want_grad_weight, rtol=0, atol=0)
     with replay, pytest.raises(RuntimeError, match="differs from the recorded one"):
         linear_cross_entropy(hidden[:4], weight, targets[:4])
 
@@ -125,7 +144,7 @@ def test_linear_cross_entropy_refuses_mismatched_inputs():
 
 def make_ttt(
     *, fused_loss=False, checkpoint_prefix=False, checkpoint=False, tie=False, first_order=False,
-    vocab=37, n_layers=3, chunk_len=4, segment=None,
+    vocab=37, n_layers=3, chunk_len=4, segment=None, keep_logits=False,
 ):  # fmt: skip
     torch.manual_seed(0)
     cfg = TransformerConfig(
@@ -143,6 +162,7 @@ def make_ttt(
         suffix_len=2,
         chunk_len=chunk_len,
         fused_loss=fused_loss,
+        fused_loss_keeps_logits=keep_logits,
         checkpoint_prefix=checkpoint_prefix,
         checkpoint_segment=segment,
     )
@@ -167,28 +187,33 @@ def losses_and_grads(model, tokens):
     return losses.detach(), grads
 
 
-OPTIONS = {  # each option alone, then together: (fused loss, prefix, chunk checkpoint, tied head, segment)
-    "fused_loss": (True, False, False, False, None),
-    "fused_loss_tied": (True, False, False, True, None),
-    "prefix": (False, True, False, False, None),
-    "chunks": (False, False, True, False, None),
-    "segments": (False, False, True, False, 2),
-    "all": (True, True, True, False, None),
-    "all_tied": (True, True, True, True, None),
-    "all_segments": (True, True, True, False, 4),
+OPTIONS = {  # each option alone, then together: (fused loss, prefix, chunk checkpoint, tied head, segment,
+    # the fused loss keeping its logits)
+    "fused_loss": (True, False, False, False, None, False),
+    "fused_loss_tied": (True, False, False, True, None, False),
+    "fused_loss_kept": (True, False, False, False, None, True),
+    "prefix": (False, True, False, False, None, False),
+    "chunks": (False, False, True, False, None, False),
+    "segments": (False, False, True, False, 2, False),
+    "all": (True, True, True, False, None, False),
+    "all_tied": (True, True, True, True, None, False),
+    "all_kept": (True, True, True, False, None, True),
+    "all_segments": (True, True, True, False, 4, False),
 }
 
 
 @pytest.mark.parametrize(
-    "fused_loss, checkpoint_prefix, checkpoint, tie, segment", OPTIONS.values(), ids=OPTIONS.keys()
+    "fused_loss, checkpoint_prefix, checkpoint, tie, segment, keep_logits",
+    OPTIONS.values(),
+    ids=OPTIONS.keys(),
 )
 def test_memory_options_leave_losses_and_second_order_gradients_unchanged(
-    fused_loss, checkpoint_prefix, checkpoint, tie, segment
+    fused_loss, checkpoint_prefix, checkpoint, tie, segment, keep_logits
 ):
     """23 tokens in chunks of 4 (the last of 3), segments of 2 and 4 chunks (the last one shorter)."""
     tokens = torch.randint(0, 37, (2, 23), generator=torch.Generator().manual_seed(3))
     options = dict(fused_loss=fused_loss, checkpoint_prefix=checkpoint_prefix, checkpoint=checkpoint)
-    options.update(tie=tie, segment=segment)
+    options.update(tie=tie, segment=segment, keep_logits=keep_logits)
     want_losses, want_grads = losses_and_grads(make_ttt(tie=tie), tokens)
     got_losses, got_grads = losses_and_grads(make_ttt(**options), tokens)
     torch.testing.assert_close(got_losses, want_losses, rtol=1e-12, atol=1e-12)
@@ -287,7 +312,8 @@ def test_logits_are_kept_by_the_plain_head_when_asked_for():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("rows, vocab, dim", [(4099, 128256, 768), (37, 1000, 48)], ids=str)
-def test_linear_cross_entropy_under_bf16_autocast_is_as_close_as_plain_pytorch(rows, vocab, dim):
+@pytest.mark.parametrize("keep_logits", [False, True], ids=["recomputed", "kept"])
+def test_linear_cross_entropy_under_bf16_autocast_is_as_close_as_plain_pytorch(rows, vocab, dim, keep_logits):
     """Compiled on CUDA, bf16 products: losses, the inner gradient and the outer (second-order)
     gradients within twice plain PyTorch's bf16 error, both against float64; outputs written (no NaN)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -308,7 +334,7 @@ def test_linear_cross_entropy_under_bf16_autocast_is_as_close_as_plain_pytorch(r
         return F.cross_entropy(h @ w.t(), targets, reduction="none")
 
     def fused(h, w):
-        return linear_cross_entropy(h, w, targets, block_bytes=2**26)  # several blocks
+        return linear_cross_entropy(h, w, targets, block_bytes=2**26, keep_logits=keep_logits)  # blocks
 
     want = run(plain, hidden.double(), weight.double(), autocast=False)
     for got, base, ref in zip(run(fused, hidden, weight, True), run(plain, hidden, weight, True), want):
