@@ -79,7 +79,8 @@ def linear_cross_entropy(
     them. hidden (..., d) float, weight (V, d), targets (...) int64 in [0, V) -> losses (...) in float32
     (float64 for float64 inputs). Equal to F.cross_entropy(hidden @ weight.T, targets, reduction="none")
     with first and second derivatives exact in hidden and weight (module docstring). keep_logits: keep
-    the (rows, V) logits in the compute dtype for the backward instead of recomputing them."""
+    the (rows, V) logits in the compute dtype for the backward instead of recomputing them (only where a
+    backward can run: grad mode, and hidden or weight requiring grad)."""
     if hidden.shape[:-1] != targets.shape:
         raise ValueError(
             f"targets must have the shape of hidden without its last dim, {tuple(hidden.shape[:-1])}, "
@@ -101,7 +102,8 @@ def linear_cross_entropy(
         compute_dtype = torch.promote_types(hidden.dtype, weight.dtype)
     loss_dtype = torch.promote_types(compute_dtype, torch.float32)
     block_rows = max(1, block_bytes // (4 * weight.shape[0]))
-    config = _Config(compute_dtype, loss_dtype, block_rows, keep_logits)
+    backward = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    config = _Config(compute_dtype, loss_dtype, block_rows, keep_logits and backward)
     losses, _ = _LinearCrossEntropy.apply(
         hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), config
     )

@@ -132,6 +132,27 @@ def test_a_recomputed_linear_cross_entropy_hands_back_its_recorded_forward(keep_
         linear_cross_entropy(hidden[:4], weight, targets[:4])
 
 
+def test_linear_cross_entropy_keeps_no_logits_where_no_backward_can_run():
+    """keep_logits allocates the (rows, V) logits only where grad mode could run a backward."""
+    hidden, weight = torch.randn(6, 5, dtype=DOUBLE), torch.randn(11, 5, dtype=DOUBLE, requires_grad=True)
+    targets = torch.randint(0, 11, (6,), generator=torch.Generator().manual_seed(4))
+    sizes = []
+
+    class Allocations(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func._overloadpacket in (torch.ops.aten.empty, torch.ops.aten.new_empty):
+                sizes.append(tuple(out.shape))
+            return out
+
+    with torch.no_grad(), Allocations():
+        linear_cross_entropy(hidden, weight, targets, keep_logits=True)
+    assert (6, 11) not in sizes
+    with Allocations():
+        linear_cross_entropy(hidden, weight, targets, keep_logits=True)
+    assert (6, 11) in sizes
+
+
 def test_linear_cross_entropy_refuses_mismatched_inputs():
     hidden, weight = torch.randn(2, 3, 4), torch.randn(9, 4)
     with pytest.raises(ValueError, match="targets must have the shape"):
