@@ -245,6 +245,19 @@ def test_memory_options_leave_losses_and_second_order_gradients_unchanged(
     assert any(not torch.allclose(g, w) for g, w in zip(losses_and_grads(first, tokens)[1], want_grads))
 
 
+def test_kept_logits_spare_products_in_a_checkpointed_second_order_read():
+    """The recipe's setting (chunks and prefix recomputed): the logits kept by each chunk's forward reach
+    its recomputation's backward, which then runs fewer products over the vocabulary."""
+    tokens = torch.randint(0, 37, (2, 23), generator=torch.Generator().manual_seed(3))
+    counts = []
+    for keep_logits in (False, True):
+        model = make_ttt(fused_loss=True, checkpoint_prefix=True, checkpoint=True, keep_logits=keep_logits)
+        with VocabProducts(37) as products:
+            torch.autograd.grad(model.token_losses(tokens).mean(), list(model.parameters()))
+        counts.append(products.count)
+    assert counts[1] < counts[0]
+
+
 def test_memory_options_keep_first_order_gradients():
     tokens = torch.randint(0, 37, (2, 23), generator=torch.Generator().manual_seed(4))
     plain = make_ttt(first_order=True)
