@@ -8,9 +8,8 @@
 * "sdpa": `scaled_dot_product_attention` with whichever fused kernel torch picks (flash, cuDNN,
   memory-efficient; `torch.nn.attention.sdpa_kernel` restricts the choice). First order only (no
   double backward): for inference and first-order training. The fused kernels run where no mask is
-  needed (full causal attention over as many keys as queries, or one query: decoding), and on the
-  first `window` queries of a sliding-window self-attention (as many keys as queries), which the window
-  does not cut; any other mask is passed explicitly, which leaves torch fewer kernels to pick from.
+  needed (full causal attention over as many keys as queries, or one query: decoding); any other mask
+  is passed explicitly, which leaves torch fewer kernels to pick from.
 
 All four share the semantics of `flashbob`: causal masks are bottom-right aligned and a window of
 w keeps the w most recent keys (causal only).
@@ -54,21 +53,7 @@ def _sdpa(q, k, v, *, causal, window, scale):
     every_key = not causal or n == 1  # bottom-right causal: a single query sees every key
     if (window is None or window >= m) and (every_key or n == m):
         return F.scaled_dot_product_attention(q, k, v, is_causal=not every_key, scale=scale, enable_gqa=True)
-    if causal and n == m:  # so window < n
-        # The window cuts keys only from the queries at or past its length: the first `window` queries
-        # are plain causal attention over the first `window` keys, for the fused kernels; the rest (the
-        # one position of an 8,193-token read under a window of 8,192) get their mask.
-        head = F.scaled_dot_product_attention(
-            q[:, :, :window], k[:, :, :window], v[:, :, :window], is_causal=True, scale=scale, enable_gqa=True
-        )
-        tail = _sdpa_masked(q[:, :, window:], k, v, causal=True, window=window, scale=scale)
-        return torch.cat([head, tail], dim=2)
-    return _sdpa_masked(q, k, v, causal=causal, window=window, scale=scale)
-
-
-def _sdpa_masked(q, k, v, *, causal, window, scale):
-    """SDPA with the explicit mask of `visible_keys` (bottom-right aligned: q may be the last queries)."""
-    mask = visible_keys(q.shape[2], k.shape[2], causal=causal, window=window, device=q.device)
+    mask = visible_keys(n, m, causal=causal, window=window, device=q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
