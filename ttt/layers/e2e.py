@@ -108,10 +108,10 @@ class TTTTransformer(SuffixReader):
             size, keep = self.ttt_cfg.chunk_len, options.keep_logits
             scored = [
                 self._score(x[:, start : start + size], whole.targets[:, start : start + size], keep)
-                for start in range(0, tokens.shape[1], size)
+                for start in range(0, x.shape[1], size)
             ]
         if options.on_chunk is not None:
-            options.on_chunk(tokens.shape[1])
+            options.on_chunk(x.shape[1])
         logits = torch.cat([logits for logits, _ in scored], dim=1) if options.keep_logits else None
         return logits, torch.cat([losses for _, losses in scored], dim=1)
 

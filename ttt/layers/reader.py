@@ -2,8 +2,9 @@
 
 Reading the sequences tokens (B, N) side by side:
 
-    positions = `_positions`(tokens): what every position feeds the chunks (our transformer: its prefix
-        blocks' output, run once over the whole sequence; a transformers model: the token ids);
+    positions = `_positions`(tokens): what every position fed feeds the chunks (our transformer: its
+        prefix blocks' output, run once over the whole sequence; a transformers model: the token ids);
+        a read that returns no logits feeds all but the last position, which has no target (`fed_tokens`);
     carry = each sequence's initial state (`start_carry`: fast weights, optimizer / write state, ...);
     caches = `_initial_caches`: what a chunk hands the next (key/value caches, left-context tokens);
     for each chunk c of ttt.chunk_len positions (`read_chunks`, which also hands back the end state):
@@ -65,7 +66,8 @@ class ReadOptions:
 @dataclass
 class Chunk:
     """Positions [start, end) of a read: inputs (B, C, ...) what they feed the reader, targets (B, T) the
-    next tokens (T = C, or C - 1 when the chunk ends the sequence: `last`), cos, sin (C, head_dim) RoPE
+    next tokens (T = C, or C - 1 when the chunk ends a sequence whose last position is fed too: `last`
+    and `fed_tokens`), cos, sin (C, head_dim) RoPE
     tables of their absolute positions (None for readers that need none), mask (B, T) the targets whose
     losses count (None: all of them)."""
 
@@ -108,8 +110,8 @@ class ChunkedReader(nn.Module):
     ttt_cfg: TTTConfig
 
     def _positions(self, tokens: torch.Tensor, options: ReadOptions) -> Chunk:
-        """Hook: the whole read as one chunk: inputs (B, N, ...) of every position, targets (B, N - 1),
-        RoPE tables (N, head_dim) or None, mask None, last=True."""
+        """Hook: the whole read as one chunk: inputs (B, n, ...) of the positions `fed_tokens` feeds,
+        targets (B, N - 1), RoPE tables (n, head_dim) or None, mask None, last=True."""
         raise NotImplementedError
 
     def _initial_caches(self, positions: int) -> list:
@@ -144,7 +146,7 @@ class ChunkedReader(nn.Module):
         options.keep_logits, next-token losses (B, N - 1), every target's)."""
         check_tokens(tokens)
         whole = replace(self._positions(tokens, options), mask=check_loss_mask(loss_mask, tokens))
-        carry, caches = self.start_carry(tokens.shape[0], options), self._initial_caches(tokens.shape[1])
+        carry, caches = self.start_carry(tokens.shape[0], options), self._initial_caches(len(whole))
         logits, losses, _, _ = self.read_chunks(carry, caches, whole, options)
         return logits, losses
 
@@ -254,6 +256,16 @@ class ChunkedReader(nn.Module):
         `read`)."""
         check_tokens(tokens)
         return self.read(tokens, keep_logits=True, **options)[0]
+
+
+def fed_tokens(tokens: torch.Tensor, options: ReadOptions) -> torch.Tensor:
+    """The positions of tokens (B, N) that a read feeds its model: all N when it returns their logits
+    (options.keep_logits) or N is 1; else the first N - 1, the last having no target to score: a causal
+    reader's outputs at the others do not depend on it, so the losses and their derivatives are the same,
+    and a read of k * chunk_len + 1 tokens (TTT-E2E's 8,193-token slices) is k whole chunks, the last of
+    which takes no inner steps, not a chunk more of one position with nothing to score (whose
+    adaptation was then computed, and differentiated, for nothing)."""
+    return tokens if options.keep_logits or tokens.shape[1] == 1 else tokens[:, :-1]
 
 
 def check_loss_mask(loss_mask: torch.Tensor | None, tokens: torch.Tensor) -> torch.Tensor | None:

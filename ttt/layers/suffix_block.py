@@ -72,8 +72,8 @@ class SuffixBlock(nn.Module):
     def covers(self, positions: int, chunk_len: int) -> bool:
         """Whether a read of `positions` positions in chunks of chunk_len is one for a `PrefixCache`: full
         attention, or a window that falls short of the read by less than a chunk (a chunk's attention is
-        then handed fewer keys beyond its window, which the kernels skip, than it has rows; TTT-E2E's
-        8,193-token slices under a window of 8,192)."""
+        then handed fewer keys beyond its window, which the kernels skip, than it has rows; the logits
+        of TTT-E2E's 8,193-token slices under a window of 8,192)."""
         return self.cfg.window is None or positions - self.cfg.window < chunk_len
 
     def initial_cache(self, positions: int, chunk_len: int) -> KVCache:

@@ -25,7 +25,7 @@ from ttt.models.linear_cross_entropy import linear_cross_entropy
 from ttt.models.transformer import Block, Transformer, next_token_losses, rope_cos_sin
 
 from .config import TTTConfig
-from .reader import Chunk, ChunkedReader, ReadOptions
+from .reader import Chunk, ChunkedReader, ReadOptions, fed_tokens
 from .suffix_block import SuffixBlock, detach_cache
 
 
@@ -107,12 +107,14 @@ class SuffixReader(ChunkedReader):
         return None, linear_cross_entropy(hidden, weight, targets, keep_logits=keep)
 
     def _positions(self, tokens: torch.Tensor, options: ReadOptions) -> Chunk:
-        """The prefix blocks' output (B, N, d_model) of every position and the RoPE tables (N, head_dim)
-        of the absolute positions, as one chunk; the prefix keeps its graph only for an outer gradient."""
-        cos, sin = self.rope_tables(tokens.shape[1], tokens.device)
+        """The prefix blocks' output (B, n, d_model) of the positions `fed_tokens` feeds and their RoPE
+        tables (n, head_dim), as one chunk (targets: tokens[:, 1:]); the prefix keeps its graph only for
+        an outer gradient."""
+        fed = fed_tokens(tokens, options)
+        cos, sin = self.rope_tables(fed.shape[1], tokens.device)
         grad = options.outer_grad and torch.is_grad_enabled()
         with torch.set_grad_enabled(grad):
-            hidden = self.embed(tokens)
+            hidden = self.embed(fed)
             hidden = self.blocks_over_sequence(
                 self.layers[: self.first_suffix], hidden, cos, sin, recompute=self.ttt_cfg.checkpoint_prefix
             )

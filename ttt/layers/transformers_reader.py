@@ -36,7 +36,7 @@ from ttt.models.transformer import next_token_losses
 
 from .config import TTTConfig
 from .fast_weights import FastCarry, adapt_chunk, detached_carry, initial_carry, read_options
-from .reader import Chunk, ChunkedReader, ReadOptions, check_tokens
+from .reader import Chunk, ChunkedReader, ReadOptions, check_tokens, fed_tokens
 
 
 class TransformersTTTReader(ChunkedReader):
@@ -79,8 +79,9 @@ class TransformersTTTReader(ChunkedReader):
         return min(start, self.cfg.n_layers * (self.cfg.window - 1))
 
     def _positions(self, tokens: torch.Tensor, options: ReadOptions) -> Chunk:
-        """The token ids as the chunks' inputs (the model reads ids; it makes its own positions)."""
-        return Chunk(tokens, tokens[:, 1:], None, None, mask=None, last=True)
+        """The ids of the positions `fed_tokens` feeds as the chunks' inputs (the model reads ids; it makes
+        its own positions)."""
+        return Chunk(fed_tokens(tokens, options), tokens[:, 1:], None, None, mask=None, last=True)
 
     def _initial_caches(self, positions: int) -> list:
         """No left context before the first chunk."""

@@ -181,6 +181,33 @@ def test_the_chunk_that_ends_the_sequence_takes_no_inner_step(checkpoint):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.parametrize("checkpoint", [False, True], ids=["kept", "recomputed"])
+def test_a_read_without_logits_does_not_feed_the_last_position(checkpoint):
+    """13 tokens in chunks of 4: the loss read feeds 12 positions, 3 whole chunks, the last taking no
+    steps; the read that returns logits feeds all 13 (a fourth chunk of one position, with no target,
+    after the third stepped for nothing). Same losses and second-order gradients."""
+    _, model = make(dtype=torch.float64, steps=2, optimizer="momentum", checkpoint=checkpoint)
+    x = tokens(n=13)
+    fed, read_chunk = [], model._read_chunk
+    model._read_chunk = lambda carry, chunk, *rest: fed.append(len(chunk)) or read_chunk(carry, chunk, *rest)
+    steps, step = [], model.inner.step
+    model.inner.step = lambda *args, **kwargs: steps.append(1) or step(*args, **kwargs)
+    params = list(model.parameters())
+    passes = 2 if checkpoint else 1  # a recomputed chunk is read, and steps, again in the outer backward
+
+    losses = model.token_losses(x)
+    grads = torch.autograd.grad(losses.sum(), params)
+    assert fed == [4, 4, 4] * passes and len(steps) == 2 * 2 * passes
+    fed.clear(), steps.clear()
+    logits, every_losses = model.read(x, keep_logits=True)
+    every_grads = torch.autograd.grad(every_losses.sum(), params)
+    assert sorted(fed) == sorted([4, 4, 4, 1] * passes) and len(steps) == 3 * 2 * passes
+    assert logits.shape == (2, 13, 32)
+    torch.testing.assert_close(losses, every_losses, rtol=1e-12, atol=1e-12)
+    for a, b in zip(grads, every_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize(
     "params",
     [["layers.*.mlp.*"], ["layers.2.attn.*"], ["layers.*.ttt_mlp.*", "layers.1.attn.wq.weight"]],
