@@ -2,7 +2,7 @@
 
 Reading the sequences tokens (B, N) side by side:
 
-    positions = `_positions`(tokens): what every position fed feeds the chunks (our transformer: its
+    positions = `_positions`(tokens): what each fed position gives the chunks (our transformer: its
         prefix blocks' output, run once over the whole sequence; a transformers model: the token ids);
         a read that returns no logits feeds all but the last position, which has no target (`fed_tokens`);
     carry = each sequence's initial state (`start_carry`: fast weights, optimizer / write state, ...);
