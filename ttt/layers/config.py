@@ -71,9 +71,9 @@ class TTTConfig:
     prefix_attention: AttentionBackend | None = None
     """The attention backend of the prefix blocks; null: model.attention. They need first derivatives
     only, also in second-order training (the inner gradients reach back to the suffix's input, never
-    through the prefix), so sdpa (torch's fused flash or cuDNN kernels) may run them while FlashBoB runs
-    the suffix. A whole-model second derivative (a Hessian-vector product through the prefix) then stops
-    with torch's error for a missing double backward."""
+    through the prefix), so sdpa (torch's fused kernels, flash first) or sdpa_cudnn (cuDNN's first) may
+    run them while FlashBoB runs the suffix. A whole-model second derivative (a Hessian-vector product
+    through the prefix) then stops with torch's error for a missing double backward."""
     compile_prefix: bool = False
     """Run the prefix blocks through torch.compile on CUDA
     (`ttt.layers.suffix_reader.run_block_over_sequence`; the CPU runs them eagerly): their element-wise

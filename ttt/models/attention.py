@@ -10,8 +10,11 @@
   double backward): for inference and first-order training. The fused kernels run where no mask is
   needed (full causal attention over as many keys as queries, or one query: decoding); any other mask
   is passed explicitly, which leaves torch fewer kernels to pick from.
+* "sdpa_cudnn": "sdpa" with cuDNN's fused kernel first in torch's order (torch's own order puts it
+  last), where the device offers it (CUDA; elsewhere the next in that order). On Hopper its forward+backward
+  is 1.7-2.0x torch's flash kernel's (docs/benchmarks.md, the cuDNN yardstick). First order only.
 
-All four share the semantics of `flashbob`: causal masks are bottom-right aligned and a window of
+All five share the semantics of `flashbob`: causal masks are bottom-right aligned and a window of
 w keeps the w most recent keys (causal only).
 """
 
@@ -33,10 +36,18 @@ class AttentionBackend(Choice):
     eager = "eager"
     sdpa_math = "sdpa_math"
     sdpa = "sdpa"
+    sdpa_cudnn = "sdpa_cudnn"
 
 
-ATTENTION_BACKENDS = tuple(name for name in AttentionBackend.values() if name != AttentionBackend.sdpa)
-"""The backends with exact derivatives of every order (all but "sdpa")."""
+FIRST_ORDER_BACKENDS = (AttentionBackend.sdpa, AttentionBackend.sdpa_cudnn)
+"""The backends without a second derivative (torch's fused SDPA kernels)."""
+
+ATTENTION_BACKENDS = tuple(name for name in AttentionBackend.values() if name not in FIRST_ORDER_BACKENDS)
+"""The backends with exact derivatives of every order (all but "sdpa" and "sdpa_cudnn")."""
+
+CUDNN_FIRST = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+               SDPBackend.MATH]
+"""torch SDPA's backends in the order "sdpa_cudnn" tries them."""
 
 
 def _sdpa_math(q, k, v, *, causal, window, scale):
@@ -71,13 +82,17 @@ def attention(
 
     q: (B, Hq, N, D); k, v: (B, Hkv, M, D) with Hq a multiple of Hkv. Returns (B, Hq, N, D).
     causal / window / scale as in `flashbob.flash_attention` (scale defaults to D ** -0.5).
-    With "sdpa_math" and "sdpa", every query must see at least one key (true whenever N <= M and causal).
+    With "sdpa_math", "sdpa" and "sdpa_cudnn", every query must see at least one key (true whenever
+    N <= M and causal).
     """
     backend = AttentionBackend.parse(backend, "attention backend")
     if backend == "sdpa_math":
         return _sdpa_math(q, k, v, causal=causal, window=window, scale=scale)
     if backend == "sdpa":
         return _sdpa(q, k, v, causal=causal, window=window, scale=scale)
+    if backend == "sdpa_cudnn":
+        with sdpa_kernel(CUDNN_FIRST, set_priority=True):
+            return _sdpa(q, k, v, causal=causal, window=window, scale=scale)
     kernel_backend = "auto" if backend == "flashbob" else "torch"
     return flashbob.flash_attention(q, k, v, causal=causal, window=window, scale=scale,
                                     backend=kernel_backend)

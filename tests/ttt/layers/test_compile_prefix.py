@@ -66,12 +66,16 @@ def test_compiled_blocks_refuse_a_second_derivative():
         torch.autograd.grad(first.square().sum(), x)
 
 
-@pytest.mark.parametrize("attention", [[], ["ttt.prefix_attention=sdpa"]], ids=["flashbob", "sdpa"])
+@pytest.mark.parametrize(
+    "attention", [[], ["ttt.prefix_attention=sdpa"], ["ttt.prefix_attention=sdpa_cudnn"]],
+    ids=["flashbob", "sdpa", "sdpa_cudnn"],
+)
 def test_a_compiled_prefix_leaves_the_second_order_loss_and_gradients_unchanged(attention, monkeypatch):
     """The TTT-E2E recipe (2 suffix blocks, 1 prefix block) with ttt.compile_prefix, its blocks compiled
     on the CPU too (the reader compiles them on CUDA only), their attention FlashBoB's (here its plain
-    PyTorch path) or torch's SDPA: same loss and second-order gradients as the eager recipe, in
-    float64."""
+    PyTorch path) or torch's SDPA (in torch's order or cuDNN's kernel first, which the CPU lacks: the
+    context that orders them traced into the graph): same loss and second-order gradients as the eager
+    recipe, in float64."""
     asked = []
 
     def compiled_anywhere(*args, compiled):

@@ -46,10 +46,15 @@ def test_backend_matches_reference_to_second_order(backend, case):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
 
 
+PRIORITY_BEFORE = torch._C._get_sdp_priority_order()
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "sdpa_cudnn"])
 @pytest.mark.parametrize("case", [*CASES, (4, 2, 1, 9, True, None), (4, 2, 1, 9, True, 4)], ids=_ids)
-def test_sdpa_matches_reference_to_first_order(case):
-    """torch SDPA's fused kernels (first order only: not in ATTENTION_BACKENDS): the masks it is spared
-    (full causal, one query decoding) and the ones it is given (a window, fewer queries than keys)."""
+def test_sdpa_matches_reference_to_first_order(case, backend):
+    """torch SDPA's fused kernels (first order only: not in ATTENTION_BACKENDS), in torch's order and
+    cuDNN first: the masks it is spared (full causal, one query decoding) and the ones it is given (a
+    window, fewer queries than keys)."""
     hq, hkv, n, m, causal, window = case
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(2, hq, n, 8, dtype=torch.float64, generator=gen, requires_grad=True)
@@ -60,11 +65,12 @@ def test_sdpa_matches_reference_to_first_order(case):
         out = fn(q, k, v)
         return (out, *torch.autograd.grad(out.sin().sum(), (q, k, v)))
 
-    got = with_grads(lambda a, b, c: attention(a, b, c, backend="sdpa", causal=causal, window=window))
+    got = with_grads(lambda a, b, c: attention(a, b, c, backend=backend, causal=causal, window=window))
     want = with_grads(lambda a, b, c: attention_naive(a, b, c, causal=causal, window=window, scale=8**-0.5))
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
-    assert "sdpa" not in ATTENTION_BACKENDS
+    assert backend not in ATTENTION_BACKENDS
+    assert torch._C._get_sdp_priority_order() == PRIORITY_BEFORE  # the context restored torch's order
 
 
 def test_unknown_backend_names_the_choices():
