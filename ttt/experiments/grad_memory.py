@@ -143,7 +143,7 @@ class GradMemoryConfig:
     backends: list[AttentionBackend] = field(
         default_factory=lambda: [AttentionBackend(name) for name in ATTENTION_BACKENDS]
     )
-    """Attention backends to measure (default: those with second derivatives, all but sdpa)."""
+    """Attention backends to measure (default: those with second derivatives, all but sdpa and sdpa_cudnn)."""
     n_sweep: Sweep = field(
         default_factory=lambda: Sweep(ns=[1024, 4096, 16384, 32768, 65536, 131072, 262144, 524288], ks=[1, 2])
     )

@@ -170,7 +170,7 @@ def test_bad_values_name_the_key(override, message):
         ("trainer.strategy", "auto, ddp, fsdp"),
         ("trainer.precision", "32-true, 32, bf16-mixed, 16-mixed, bf16-true, 16-true, 64-true, 64"),
         ("trainer.accelerator", "auto, cpu, gpu, cuda, mps"),
-        ("model.attention", "flashbob, eager, sdpa_math, sdpa"),
+        ("model.attention", "flashbob, eager, sdpa_math, sdpa, sdpa_cudnn"),
     ],
 )
 def test_a_bad_choice_is_a_config_error_listing_the_valid_values(key, values):

@@ -199,7 +199,10 @@ def test_no_point_starts_after_the_budget(tmp_path, monkeypatch):
     "override, message",
     [
         ("n_sweep.nss=[1]", "unknown config key 'n_sweep.nss'"),
-        ("backends=[flash]", "backends must be one of flashbob, eager, sdpa_math, sdpa; got 'flash'"),
+        (
+            "backends=[flash]",
+            "backends must be one of flashbob, eager, sdpa_math, sdpa, sdpa_cudnn; got 'flash'",
+        ),
         ("preset=tpu", "preset must be one of auto, cpu, gpu; got 'tpu'"),
         ("n_sweep.orders=[third]", "n_sweep.orders must be one of first, second; got 'third'"),
         ("dtype=fp8", "dtype must be one of auto, bf16, fp16, fp32; got 'fp8'"),
