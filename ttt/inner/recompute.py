@@ -1,6 +1,6 @@
 """`recomputed`: run a function, keep only its inputs, and run it again in the backward.
 
-    out = recomputed(fn, *args, params=trainable)      # fn(*args), its intermediate tensors dropped
+    out = recomputed(fn, *args, module=reader)      # fn(*args), its intermediate tensors dropped
 
 Activation checkpointing for regions that take gradients themselves, such as a chunk of test-time
 training (score, then an inner step through `torch.autograd.grad(create_graph=True)`). PyTorch's
@@ -13,14 +13,21 @@ the first carry is kept).
 
 fn(*args): args and the outputs are nested tuples, lists and dicts (pytrees) of tensors and other
 values; tensors among the args become inputs of one autograd node, tensors among the outputs its
-outputs. fn may also use tensors it reaches by itself (a module's parameters): those that need a
-gradient must be listed in `params`, and the backward returns their gradients into the graph (fn
-must use these very tensors, e.g. a module's live parameters). fn must compute the same values when
-run again (no randomness). The backward reruns fn under the autocast state of the forward, with the
+outputs. fn may also use the parameters of `module` (reached through the module's attributes, as its
+methods do): those that need a gradient become inputs of the node too, and the backward returns their
+gradients into the graph. fn must compute the same values when run again (no randomness). The backward reruns fn under the autocast state of the forward, with the
 recorded forwards of every op registered by `register_replay` handed back (`linear_cross_entropy`
 registers itself: its forward is the costly part of a chunk), and differentiates it
 with `torch.autograd.grad` (so `torch.autograd.grad` and `.backward()` both work on the result; under
 create_graph the gradients are differentiable once more).
+
+Under create_graph the rerun must take the node's inputs and parameters with their history (the
+gradients it returns are functions of them), yet its `torch.autograd.grad` must stop at them: a tensor
+it differentiates against that leads further back (a parameter the earlier chunks used too, an input
+computed from another input) would pull the earlier regions' gradients into this node's, counted once
+here and once more when the backward reaches them, and rerun every earlier region (2^k - 1 reruns for
+k chunks). So the rerun gets a view of each input tensor and of each of the module's parameters
+(`_parameters_as_views`): a view's history is one node deep, and only the rerun uses it.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 ReplayContexts = Callable[[], tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]]
@@ -138,24 +146,51 @@ class _Together(contextlib.AbstractContextManager):
         return False
 
 
-def recomputed(fn: Callable[..., Any], *args: Any, params: Sequence[torch.Tensor]) -> Any:
+def recomputed(fn: Callable[..., Any], *args: Any, module: nn.Module | None) -> Any:
     """fn(*args), recomputed in the backward instead of keeping its intermediate tensors (module
-    docstring); params: the tensors fn uses that are not in args and need gradients. Returns fn's
-    outputs (same structure; tensors detached from fn's own graph and attached to one recompute node)."""
+    docstring); module: the module whose parameters fn uses (those that need gradients get them), None
+    when fn uses no tensor outside args that needs a gradient. Returns fn's outputs (same structure;
+    tensors detached from fn's own graph and attached to one recompute node)."""
     leaves, spec = tree_flatten(args)
     tensor_slots = [i for i, leaf in enumerate(leaves) if torch.is_tensor(leaf)]
-    region = _Region(fn, leaves, spec, tensor_slots)
-    grads_wanted = [p for p in params if p.requires_grad]
-    outputs = _Recomputed.apply(region, *(leaves[i] for i in tensor_slots), *grads_wanted)
+    region = _Region(fn, leaves, spec, tensor_slots, module)
+    outputs = _Recomputed.apply(region, *(leaves[i] for i in tensor_slots), *_trainable(module))
     return region.rebuild_outputs(outputs if isinstance(outputs, tuple) else (outputs,))
+
+
+def _trainable(module: nn.Module | None) -> list[torch.Tensor]:
+    """module's parameters that need gradients, in `parameters()` order (none without a module)."""
+    return [] if module is None else [p for p in module.parameters() if p.requires_grad]
+
+
+@contextlib.contextmanager
+def _parameters_as_views(module: nn.Module | None):
+    """Within the block, each of module's parameters that needs a gradient is replaced by a view of
+    itself (one view per tensor: a weight two submodules share stays shared); yields the views in
+    `_trainable` order. The module gets its own tensors back on leaving."""
+    views = {id(p): p.view_as(p) for p in _trainable(module)}
+    swapped = [
+        (sub, name, param)
+        for sub in ([] if module is None else module.modules())
+        for name, param in sub._parameters.items()
+        if param is not None and id(param) in views
+    ]
+    for sub, name, param in swapped:
+        sub._parameters[name] = views[id(param)]
+    try:
+        yield list(views.values())
+    finally:
+        for sub, name, param in swapped:
+            sub._parameters[name] = param
 
 
 class _Region:
     """fn and its flattened arguments (the tensor slots filled per run), and the structure of its
     outputs once it has run."""
 
-    def __init__(self, fn, leaves: list, spec, tensor_slots: list[int]):
+    def __init__(self, fn, leaves: list, spec, tensor_slots: list[int], module: nn.Module | None):
         self.fn, self.leaves, self.spec, self.tensor_slots = fn, leaves, spec, tensor_slots
+        self.module = module
         self.out_constants: list | None = None
         """The output leaves of the forward run, tensors replaced by `_TENSOR` (no graph kept here)."""
         self.out_spec = None
@@ -210,7 +245,7 @@ class _Recomputed(torch.autograd.Function):
         ctx.region, ctx.autocast = region, _autocast_state()
         ctx.record, ctx.replay = _replay_contexts()
         ctx.save_for_backward(*inputs)
-        ctx.params = tensors[region.inputs :]  # live leaves, held by their module anyway: no copy to save
+        ctx.params = tensors[region.inputs :]  # held by their module anyway (or a rerun): no copy to save
         ctx.set_materialize_grads(False)  # an output nothing used (the last chunk's carry) costs nothing
         with torch.enable_grad(), ctx.record:
             out_leaves = region.run(_detached(inputs))
@@ -224,14 +259,24 @@ class _Recomputed(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         region = ctx.region
-        # Under create_graph the gradients must reach the inputs' own graph: rerun on them as they are.
-        saved = ctx.saved_tensors
-        inputs = list(saved) if torch.is_grad_enabled() else _detached(saved)
-        params = list(ctx.params)
+        # Under create_graph the gradients must reach the inputs' own graph, and stop at them: rerun on
+        # views of the inputs and parameters (module docstring). Else on fresh leaves and the module's
+        # parameters as they are now (a region's forward run inside a rerun saw the views of that rerun).
+        saved, create_graph = ctx.saved_tensors, torch.is_grad_enabled()
         with contextlib.ExitStack() as stack:
             for device, enabled, dtype in ctx.autocast:
                 stack.enter_context(torch.autocast(device, enabled=enabled, dtype=dtype))
             stack.enter_context(torch.enable_grad())
+            if create_graph:
+                inputs = [t.view_as(t) if t.requires_grad else t for t in saved]
+                params = stack.enter_context(_parameters_as_views(region.module))
+            else:
+                inputs, params = _detached(saved), _trainable(region.module)
+            if len(params) != len(ctx.params):
+                raise RuntimeError(
+                    f"recomputed: the module has {len(params)} parameters that need gradients in the "
+                    f"backward, {len(ctx.params)} in the forward; expected the same"
+                )
             stack.enter_context(ctx.replay)
             outputs = [leaf for leaf in region.run(inputs) if torch.is_tensor(leaf)]
         pairs = [

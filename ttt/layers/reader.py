@@ -174,7 +174,7 @@ class ChunkedReader(nn.Module):
             part = positions.part(start, min(start + span, n))
             if span < n:
                 logits, losses, caches, carry = recomputed(
-                    self._read_span, carry, caches, part, options, params=self._trainable()
+                    self._read_span, carry, caches, part, options, module=self
                 )
             else:
                 logits, losses, caches, carry = self._read_span(carry, caches, part, options)
@@ -183,10 +183,6 @@ class ChunkedReader(nn.Module):
         logits = torch.cat(all_logits, dim=1) if options.keep_logits else None
         return logits, torch.cat(all_losses, dim=1), caches, carry
 
-    def _trainable(self) -> list[torch.Tensor]:
-        """The parameters that need gradients (those a recomputed chunk hands gradients back to)."""
-        return [p for p in self.parameters() if p.requires_grad]
-
     def _read_span(
         self, carry: Carry, caches: list, span: Chunk, options: ReadOptions
     ) -> tuple[torch.Tensor | None, torch.Tensor, list, Carry]:
@@ -194,13 +190,12 @@ class ChunkedReader(nn.Module):
         outer backward with options.checkpoint, and cut from the graph without options.outer_grad.
         Returns (logits (B, S, V) or None, losses (B, S or S - 1), caches, carry)."""
         chunk_len = self.ttt_cfg.chunk_len
-        params = self._trainable() if options.checkpoint else []
         all_logits, all_losses = [], []
         for start in range(0, len(span), chunk_len):
             chunk = span.part(start, min(start + chunk_len, len(span)))
-            if params:
+            if options.checkpoint:
                 logits, losses, caches, carry = recomputed(
-                    self._read_chunk, carry, chunk, caches, options, params=params
+                    self._read_chunk, carry, chunk, caches, options, module=self
                 )
             else:
                 logits, losses, caches, carry = self._read_chunk(carry, chunk, caches, options)

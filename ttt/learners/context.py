@@ -108,7 +108,7 @@ class ContextLearner(MetaLearner):
         tokens = task["tokens"]
         fed, start, end = self.chunk_span(step % self.n_chunks)
         logits = self.forward_with(params, tokens[None, fed:end])[0, start - fed :]
-        return F.cross_entropy(logits.float(), tokens[start + 1 : end + 1])
+        return F.cross_entropy(_at_least_float32(logits), tokens[start + 1 : end + 1])
 
     def outer_loss(
         self,
@@ -123,10 +123,10 @@ class ContextLearner(MetaLearner):
         tokens, query_mask = task["tokens"], task["query_mask"]
         positions = query_mask[:-1].nonzero()[:, 0]
         logits = self.forward_with(params, tokens[None, :-1])[0]
-        query_logits, targets = logits[positions].float(), tokens[positions + 1]
+        query_logits, targets = _at_least_float32(logits[positions]), tokens[positions + 1]
         query_loss = F.cross_entropy(query_logits, targets)
         context_len = self.context_len
-        context_loss = F.cross_entropy(logits[: context_len - 1].float(), tokens[1:context_len])
+        context_loss = F.cross_entropy(_at_least_float32(logits[: context_len - 1]), tokens[1:context_len])
         metrics = {
             "query_loss": query_loss.detach(),
             "query_acc": (query_logits.argmax(-1) == targets).float().mean().detach(),
@@ -140,3 +140,8 @@ class ContextLearner(MetaLearner):
             )
             metrics["prequential_loss"] = context_loss.detach()
         return query_loss + self.context_loss_weight * context_loss, metrics
+
+
+def _at_least_float32(logits: torch.Tensor) -> torch.Tensor:
+    """logits (..., V) for the loss: half precision widened to float32, float32 and float64 kept."""
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))

@@ -1,6 +1,6 @@
 """`ttt.inner.recompute.recomputed`: the same values and derivatives as running the function plainly
 (float64: an inner gradient inside, parameters reached by closure, nesting, a gradient of a
-gradient, autocast), the function run twice per outer step (not three times as an inner gradient
+gradient, of the inputs and of the parameters, autocast), the function run twice per outer step (not three times as an inner gradient
 inside torch's checkpoint makes it), non-tensor values passed through."""
 
 import pytest
@@ -42,7 +42,7 @@ def read(chunk: Chunk, x: torch.Tensor, fast0: torch.Tensor, rate: torch.Tensor,
             if mode == "plain":
                 out = chunk(*args)
             else:
-                out = recomputed(chunk, *args, params=list(chunk.parameters()))
+                out = recomputed(chunk, *args, module=chunk)
             assert out["tag"] == "chunk"
             losses.append(out["loss"])
             state = {"fast": out["fast"] * out["rate"], "rate": out["rate"]}
@@ -50,7 +50,7 @@ def read(chunk: Chunk, x: torch.Tensor, fast0: torch.Tensor, rate: torch.Tensor,
 
     state = {"fast": fast0 * 1.0, "rate": rate * 1.0}
     if mode == "nested":
-        total, state = recomputed(run_chunks, state, x, params=list(chunk.parameters()))
+        total, state = recomputed(run_chunks, state, x, module=chunk)
     else:
         total, state = run_chunks(state, x)
     return total + state["fast"].sin().sum()
@@ -91,15 +91,30 @@ def test_each_chunk_runs_twice_and_three_times_under_a_recomputed_span():
         assert chunk.runs == runs
 
 
-def test_a_gradient_through_recomputed_chunks_is_differentiable_again():
-    """A Hessian-vector product through the read: the backward's gradients carry a graph."""
+@pytest.mark.parametrize("mode", ["chunks", "nested"])
+def test_a_gradient_through_recomputed_chunks_is_differentiable_again(mode):
+    """A Hessian-vector product through the read: the backward's gradients, of the inputs and of the
+    parameters every chunk shares, equal the plain read's and carry a graph. (Each chunk's input state
+    comes from the one before, and its fast weight from its rate too: the rerun's gradient must stop
+    at the chunk's own inputs and parameters, or it counts the earlier chunks' gradients twice.)"""
     results = []
-    for mode in ("plain", "chunks"):
+    for run_mode in ("plain", mode):
         chunk, (x, fast0, rate) = Chunk(), inputs()
-        (grad,) = torch.autograd.grad(read(chunk, x, fast0, rate, mode), fast0, create_graph=True)
-        results.append(torch.autograd.grad((grad * torch.ones_like(grad).cumsum(0)).sum(), (x, fast0)))
+        wrt = (x, fast0, rate, *chunk.parameters())
+        grads = torch.autograd.grad(read(chunk, x, fast0, rate, run_mode), wrt, create_graph=True)
+        directions = torch.Generator().manual_seed(2)
+        dot = sum((g * torch.randn(g.shape, generator=directions, dtype=DOUBLE)).sum() for g in grads)
+        results.append((*(g.detach() for g in grads), *torch.autograd.grad(dot, wrt)))
     for got, want in zip(*results):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_a_gradient_with_a_graph_reruns_each_chunk_once():
+    """Under create_graph too the backward reruns each recomputed chunk once: 6 runs for 3 chunks, not
+    one more run of every earlier chunk per chunk."""
+    chunk, (x, fast0, rate) = Chunk(), inputs()
+    torch.autograd.grad(read(chunk, x, fast0, rate, "chunks"), list(chunk.parameters()), create_graph=True)
+    assert chunk.runs == 6
 
 
 def test_the_recomputation_runs_under_the_forwards_autocast():

@@ -187,27 +187,29 @@ def outer_derivatives(model, x):
     return losses, [g for _, g in used], hvp
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["mac", "mag"])
-@pytest.mark.parametrize("checkpoint", [False, True], ids=["stored", "checkpointed"])
-def test_shared_prefix_gives_the_losses_and_derivatives_of_concatenation(variant, checkpoint):
+def test_shared_prefix_and_checkpoints_give_the_losses_and_derivatives_of_concatenation(variant):
     """Full causal attention, float64, 2 sequences of 37 tokens in chunks of 5 (the last of 2): the keys and
-    values in one shared buffer (`SuffixBlock.shares_prefix`) against their concatenation per chunk,
-    in the losses, the outer gradient (second order through the writes), a Hessian-vector product of
-    the outer loss, and the evaluation read (detached chunks). Checkpointed chunks are recomputed
+    values in one shared buffer (`SuffixBlock.shares_prefix`), each chunk stored or checkpointed, against
+    their concatenation per chunk, stored, in the losses, the outer gradient (second order through the
+    writes), a Hessian-vector product of the outer loss (a gradient with a graph through the
+    checkpointed chunks), and the evaluation read (detached chunks). Checkpointed chunks are recomputed
     from the same cache: the second continuation copies."""
     x = tokens(n=37)
-    results = []
-    for shares_prefix in (True, False):
-        model = make(variant=variant, chunk_len=5, window=None, dtype=torch.float64, checkpoint=checkpoint)
-        model.suffix[0].shares_prefix = shares_prefix
-        losses, grads, hvp = outer_derivatives(model, x)
-        with torch.enable_grad():
-            evaluated = model.token_losses(x, outer_grad=False)
-        results.append((losses, *grads, *hvp, evaluated))
-    assert len(results[0]) == len(results[1])
-    for got, expected in zip(*results):
-        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-14)
+    results = {}
+    for checkpoint in (False, True):
+        for shares_prefix in (True, False):
+            model = make(variant=variant, chunk_len=5, window=None, dtype=torch.float64, checkpoint=checkpoint)
+            model.suffix[0].shares_prefix = shares_prefix
+            losses, grads, hvp = outer_derivatives(model, x)
+            with torch.enable_grad():
+                evaluated = model.token_losses(x, outer_grad=False)
+            results[checkpoint, shares_prefix] = (losses, *grads, *hvp, evaluated)
+    expected = results[False, False]
+    for key, got in results.items():
+        assert len(got) == len(expected), key
+        for value, want in zip(got, expected):
+            torch.testing.assert_close(value, want, rtol=1e-12, atol=1e-14, msg=lambda m: f"{key}: {m}")
 
 
 def one_write(memory, u):

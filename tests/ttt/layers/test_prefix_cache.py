@@ -171,7 +171,7 @@ def test_a_recomputed_continuation_writes_its_rows_of_the_same_buffer_again(monk
         cache, total = (PrefixCache.reserve(sum(CHUNKS)) if checkpointed else None), 0
         for x in leaves:
             if checkpointed:
-                cache, value = recomputed(chunk_read(read), cache, x, params=[])
+                cache, value = recomputed(chunk_read(read), cache, x, module=None)
             else:
                 cache, value = chunk_read(read)(cache, x)
             total = total + value

@@ -30,8 +30,10 @@ from .layer import NeuralMemory, Weights
 
 
 def unit_rms(a: torch.Tensor) -> torch.Tensor:
-    """a (..., d) scaled to root-mean-square 1 along its last dim (computed in float32, a's dtype kept)."""
-    return a * torch.rsqrt(a.float().square().mean(-1, keepdim=True) + 1e-6).to(a.dtype)
+    """a (..., d) scaled to root-mean-square 1 along its last dim (computed in at least float32: float64
+    stays float64; a's dtype kept)."""
+    wide = a.to(torch.promote_types(a.dtype, torch.float32))
+    return a * torch.rsqrt(wide.square().mean(-1, keepdim=True) + 1e-6).to(a.dtype)
 
 
 class MemoryBlock(SuffixBlock):
