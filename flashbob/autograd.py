@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from . import precompile, triton_ops
+from . import cudnn_passes, precompile, triton_ops
 from .function_apply import FastApplyFunction
 
 
@@ -77,6 +77,8 @@ class AttentionFunction(FastApplyFunction):
     def forward(q, k, v, key_range, opts: _Options):
         if q.requires_grad or k.requires_grad or v.requires_grad:
             precompile.second_order(q, k, v, key_range, opts.kwargs())
+        if cudnn_passes.serves(q, k, v, causal=opts.causal, window=opts.window, key_range=key_range):
+            return cudnn_passes.forward(q, k, v, causal=opts.causal, scale=opts.scale)
         return triton_ops.forward(q, k, v, key_range=key_range, **opts.kwargs())
 
     @staticmethod
@@ -115,6 +117,8 @@ class AttentionBackwardFunction(FastApplyFunction):
 
     @staticmethod
     def forward(q, k, v, out, lse, dout, key_range, opts: _Options):
+        if cudnn_passes.serves(q, k, v, causal=opts.causal, window=opts.window, key_range=key_range):
+            return cudnn_passes.backward(q, k, v, out, lse, dout, causal=opts.causal, scale=opts.scale)
         return triton_ops.backward(q, k, v, out, lse, dout, key_range=key_range, **opts.kwargs())
 
     jvp = staticmethod(_refuse_forward_mode)
