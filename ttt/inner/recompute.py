@@ -15,11 +15,12 @@ fn(*args): args and the outputs are nested tuples, lists and dicts (pytrees) of 
 values; tensors among the args become inputs of one autograd node, tensors among the outputs its
 outputs. fn may also use the parameters of `module` (reached through the module's attributes, as its
 methods do): those that need a gradient become inputs of the node too, and the backward returns their
-gradients into the graph. fn must compute the same values when run again (no randomness). The backward reruns fn under the autocast state of the forward, with the
-recorded forwards of every op registered by `register_replay` handed back (`linear_cross_entropy`
-registers itself: its forward is the costly part of a chunk), and differentiates it
-with `torch.autograd.grad` (so `torch.autograd.grad` and `.backward()` both work on the result; under
-create_graph the gradients are differentiable once more).
+gradients into the graph. fn must compute the same values when run again (no randomness). The
+backward reruns fn under the autocast state of the forward, with the recorded forwards of every op
+registered by `register_replay` handed back (`linear_cross_entropy` registers itself: its forward is
+the costly part of a chunk), and differentiates it with `torch.autograd.grad` (so `torch.autograd.grad`
+and `.backward()` both work on the result; under create_graph the gradients are differentiable once
+more).
 
 Under create_graph the rerun must take the node's inputs and parameters with their history (the
 gradients it returns are functions of them), yet its `torch.autograd.grad` must stop at them: a tensor

@@ -1,7 +1,7 @@
 """`ttt.inner.recompute.recomputed`: the same values and derivatives as running the function plainly
-(float64: an inner gradient inside, parameters reached by closure, nesting, a gradient of a
-gradient, of the inputs and of the parameters, autocast), the function run twice per outer step (not three times as an inner gradient
-inside torch's checkpoint makes it), non-tensor values passed through."""
+(float64: an inner gradient inside, a module's parameters, nesting, a gradient of a gradient, of the
+inputs and of the parameters, autocast), the function run twice per outer step (not three times as an
+inner gradient inside torch's checkpoint makes it), non-tensor values passed through."""
 
 import pytest
 import torch
@@ -39,10 +39,7 @@ def read(chunk: Chunk, x: torch.Tensor, fast0: torch.Tensor, rate: torch.Tensor,
         losses = []
         for i in range(3):
             args = (state, x[i], 1.0 + i)
-            if mode == "plain":
-                out = chunk(*args)
-            else:
-                out = recomputed(chunk, *args, module=chunk)
+            out = chunk(*args) if mode == "plain" else recomputed(chunk, *args, module=chunk)
             assert out["tag"] == "chunk"
             losses.append(out["loss"])
             state = {"fast": out["fast"] * out["rate"], "rate": out["rate"]}

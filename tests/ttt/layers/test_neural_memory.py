@@ -199,17 +199,21 @@ def test_shared_prefix_and_checkpoints_give_the_losses_and_derivatives_of_concat
     results = {}
     for checkpoint in (False, True):
         for shares_prefix in (True, False):
-            model = make(variant=variant, chunk_len=5, window=None, dtype=torch.float64, checkpoint=checkpoint)
+            model = make(
+                variant=variant, chunk_len=5, window=None, dtype=torch.float64, checkpoint=checkpoint
+            )
             model.suffix[0].shares_prefix = shares_prefix
             losses, grads, hvp = outer_derivatives(model, x)
             with torch.enable_grad():
                 evaluated = model.token_losses(x, outer_grad=False)
             results[checkpoint, shares_prefix] = (losses, *grads, *hvp, evaluated)
     expected = results[False, False]
-    for key, got in results.items():
-        assert len(got) == len(expected), key
+    for (checkpoint, shares_prefix), got in results.items():
+        where = f"checkpoint={checkpoint}, shares_prefix={shares_prefix}"
+        assert len(got) == len(expected), where
         for value, want in zip(got, expected):
-            torch.testing.assert_close(value, want, rtol=1e-12, atol=1e-14, msg=lambda m: f"{key}: {m}")
+            message = lambda m, w=where: f"{w}: {m}"  # noqa: E731
+            torch.testing.assert_close(value, want, rtol=1e-12, atol=1e-14, msg=message)
 
 
 def one_write(memory, u):
