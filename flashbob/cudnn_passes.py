@@ -14,8 +14,8 @@ softmax restricted to its keys, and delta = rowsum(dout * out) is the row's), dq
 parts' and dk, dv are the parts' side by side. The values are those of one softmax over all M keys.
 
 `serves` says which calls these passes take: CUDA, bf16 or fp16, as many key heads as query heads,
-head dim a multiple of 8 up to 128, no key ranges, a window that masks nothing (None, or causal with
-window >= M), N <= M when causal. Every other call runs FlashBoB's kernels.
+head dim a multiple of 8 up to 128, more than one query, no key ranges, a window that masks
+nothing (None, or causal with window >= M), N <= M when causal. Every other call runs FlashBoB's kernels.
 """
 
 from __future__ import annotations
@@ -49,6 +49,8 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, w
         return False
     n, m, dim = q.shape[2], k.shape[2], q.shape[3]
     if q.shape[1] != k.shape[1] or dim % 8 or dim > 128 or m == 0:
+        return False
+    if n == 1:  # cuDNN refuses one query over one key (a causal call of one query has such a block)
         return False
     if causal and n > m:
         return False
