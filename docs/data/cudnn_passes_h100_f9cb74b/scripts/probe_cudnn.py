@@ -1,3 +1,4 @@
+# ruff: noqa  (the script as it ran on the GPU, kept as a record)
 """Probe: torch's cuDNN attention ops as FlashBoB's first two passes at the suffix's shapes."""
 import json, math, os, sys
 import torch

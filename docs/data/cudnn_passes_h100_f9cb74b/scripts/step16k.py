@@ -1,3 +1,4 @@
+# ruff: noqa  (the script as it ran on the GPU, kept as a record)
 """The second-order step through torch.autograd.grad at 16K (B=1, H=8, bf16): flashbob with its own first
 passes, with cuDNN's (FLASHBOB_FIRST_PASSES), against torch's flash and cuDNN forward+backward."""
 import json, os
