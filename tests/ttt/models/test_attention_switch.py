@@ -1,10 +1,13 @@
 """The model attention switch: every backend matches the float64 reference, values and derivatives."""
 
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import flashbob
+from flashbob.masks import visible_keys
 from flashbob.reference import attention_naive
 from ttt.inner import InnerLoop, InnerLoopConfig, functional_forward, select_parameters
 from ttt.models import Transformer, TransformerConfig
@@ -113,3 +116,50 @@ def test_flashbob_triton_kernels_give_the_inner_loop_the_same_second_order_gradi
     assert calls and set(calls) == {"auto"}
     for g, r in zip(got, reference):
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "sdpa_cudnn"])
+@pytest.mark.parametrize("case", [(4, 2, 37, 63, 10), (2, 2, 63, 63, 17), (2, 1, 5, 80, 48)])
+def test_sdpa_windowed_reads_run_in_blocks_without_a_whole_mask(case, backend, monkeypatch):
+    """A window over more keys than it keeps: query blocks (here of 4 rows) over their own keys, values and
+    first derivatives as the float64 reference's, and no mask larger than rows x (rows + window - 1)."""
+    switch = importlib.import_module("ttt.models.attention")  # the package's `attention` is the function
+
+    hq, hkv, n, m, window = case
+    monkeypatch.setattr(switch, "WINDOW_BLOCK_ROWS_MIN", 4)
+    shapes = []
+
+    def recorded(*args, **kwargs):
+        mask = visible_keys(*args, **kwargs)
+        shapes.append(tuple(mask.shape))
+        return mask
+
+    monkeypatch.setattr(switch, "visible_keys", recorded)
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(2, hq, n, 8, dtype=torch.float64, generator=gen, requires_grad=True)
+    k = torch.randn(2, hkv, m, 8, dtype=torch.float64, generator=gen, requires_grad=True)
+    v = torch.randn(2, hkv, m, 8, dtype=torch.float64, generator=gen, requires_grad=True)
+
+    def with_grads(fn):
+        out = fn(q, k, v)
+        return (out, *torch.autograd.grad(out.sin().sum(), (q, k, v)))
+
+    got = with_grads(lambda a, b, c: attention(a, b, c, backend=backend, causal=True, window=window))
+    want = with_grads(lambda a, b, c: attention_naive(a, b, c, causal=True, window=window, scale=8**-0.5))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+    rows = max(window // 8, 4)
+    assert len(shapes) == -(-n // rows)
+    assert all(r <= rows and c <= r + window - 1 for r, c in shapes)
+
+
+def test_window_blocks_cover_every_query_and_its_visible_keys():
+    from ttt.models.attention import window_blocks
+
+    for n, m, window in [(37, 63, 10), (63, 63, 17), (1000, 1000, 300), (5, 80, 48)]:
+        blocks = list(window_blocks(n, m, window, rows_min=4))
+        assert [b[0] for b in blocks] == list(range(0, n, max(window // 8, 4)))
+        assert blocks[-1][1] == n
+        mask = visible_keys(n, m, causal=True, window=window)
+        for start, stop, first, end in blocks:
+            assert not mask[start:stop, :first].any() and not mask[start:stop, end:].any()
