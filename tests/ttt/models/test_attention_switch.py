@@ -49,17 +49,11 @@ def test_backend_matches_reference_to_second_order(backend, case):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
 
 
-PRIORITY_BEFORE = torch._C._get_sdp_priority_order()
-
-
-@pytest.mark.parametrize("backend", ["sdpa", "sdpa_cudnn"])
-@pytest.mark.parametrize("case", [*CASES, (4, 2, 1, 9, True, None), (4, 2, 1, 9, True, 4)], ids=_ids)
-def test_sdpa_matches_reference_to_first_order(case, backend):
-    """torch SDPA's fused kernels (first order only: not in ATTENTION_BACKENDS), in torch's order and
-    cuDNN first: the masks it is spared (full causal, one query decoding) and the ones it is given (a
-    window, fewer queries than keys)."""
-    hq, hkv, n, m, causal, window = case
-    gen = torch.Generator().manual_seed(0)
+def _assert_first_order_matches_reference(shape, backend, *, causal, window, seed):
+    """attention(backend) on float64 q (2, Hq, N, 8), k, v (2, Hkv, M, 8), shape = (Hq, Hkv, N, M): its
+    output and the gradients of out.sin().sum() equal attention_naive's."""
+    hq, hkv, n, m = shape
+    gen = torch.Generator().manual_seed(seed)
     q = torch.randn(2, hq, n, 8, dtype=torch.float64, generator=gen, requires_grad=True)
     k = torch.randn(2, hkv, m, 8, dtype=torch.float64, generator=gen, requires_grad=True)
     v = torch.randn(2, hkv, m, 8, dtype=torch.float64, generator=gen, requires_grad=True)
@@ -72,6 +66,19 @@ def test_sdpa_matches_reference_to_first_order(case, backend):
     want = with_grads(lambda a, b, c: attention_naive(a, b, c, causal=causal, window=window, scale=8**-0.5))
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+
+
+PRIORITY_BEFORE = torch._C._get_sdp_priority_order()
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "sdpa_cudnn"])
+@pytest.mark.parametrize("case", [*CASES, (4, 2, 1, 9, True, None), (4, 2, 1, 9, True, 4)], ids=_ids)
+def test_sdpa_matches_reference_to_first_order(case, backend):
+    """torch SDPA's fused kernels (first order only: not in ATTENTION_BACKENDS), in torch's order and
+    cuDNN first: the masks it is spared (full causal, one query decoding) and the ones it is given (a
+    window, fewer queries than keys)."""
+    hq, hkv, n, m, causal, window = case
+    _assert_first_order_matches_reference((hq, hkv, n, m), backend, causal=causal, window=window, seed=0)
     assert backend not in ATTENTION_BACKENDS
     assert torch._C._get_sdp_priority_order() == PRIORITY_BEFORE  # the context restored torch's order
 
@@ -135,19 +142,7 @@ def test_sdpa_windowed_reads_run_in_blocks_without_a_whole_mask(case, backend, m
         return mask
 
     monkeypatch.setattr(switch, "visible_keys", recorded)
-    gen = torch.Generator().manual_seed(1)
-    q = torch.randn(2, hq, n, 8, dtype=torch.float64, generator=gen, requires_grad=True)
-    k = torch.randn(2, hkv, m, 8, dtype=torch.float64, generator=gen, requires_grad=True)
-    v = torch.randn(2, hkv, m, 8, dtype=torch.float64, generator=gen, requires_grad=True)
-
-    def with_grads(fn):
-        out = fn(q, k, v)
-        return (out, *torch.autograd.grad(out.sin().sum(), (q, k, v)))
-
-    got = with_grads(lambda a, b, c: attention(a, b, c, backend=backend, causal=True, window=window))
-    want = with_grads(lambda a, b, c: attention_naive(a, b, c, causal=True, window=window, scale=8**-0.5))
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+    _assert_first_order_matches_reference((hq, hkv, n, m), backend, causal=True, window=window, seed=1)
     rows = max(window // 8, 4)
     assert len(shapes) == -(-n // rows)
     assert all(r <= rows and c <= r + window - 1 for r, c in shapes)
