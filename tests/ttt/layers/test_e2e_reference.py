@@ -263,11 +263,13 @@ def test_without_ttt_the_recipe_equals_the_literal_algorithm_with_no_inner_step(
 
 
 @pytest.mark.slow
-def test_the_prefix_needs_first_derivatives_only_so_sdpa_may_run_it():
+@pytest.mark.parametrize("window", [12, 5])
+def test_the_prefix_needs_first_derivatives_only_so_sdpa_may_run_it(window):
     """ttt.prefix_attention=sdpa: the prefix blocks run torch's fused CPU kernel, whose backward has no
     derivative of its own, and the second-order loss and gradient are those of the recipe as it is. A
-    window as long as the sequence lets SDPA take the fused kernel (no explicit mask)."""
-    whole = [*TINY, "model.window=12"]
+    window as long as the sequence lets SDPA take the fused kernel (no explicit mask); a shorter one
+    runs the windowed query blocks."""
+    whole = [*TINY, f"model.window={window}"]
     q = torch.randn(1, 2, 12, 8, dtype=torch.float64, requires_grad=True)
     out = F.scaled_dot_product_attention(q, q, q, is_causal=True)
     (g,) = torch.autograd.grad(out.sum(), q, create_graph=True)
