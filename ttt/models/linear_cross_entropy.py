@@ -22,8 +22,12 @@ itself differentiated):
                grad_h_t = W^T r_t;  grad_W = sum_t r_t h_t^T + (p_t - e_{y_t}) c_t^T   (`_JointBackward`)
 
 (dG_t/dz_t applied to c_t is the softmax Jacobian applied to u_t; W also enters G directly, whence
-the (p - e) c^T term.) `_WeightGrad` is differentiable once more: given the cotangent B of grad_W,
-with u'_t = B h_t and s'_t = p_t . u'_t,
+the (p - e) c^T term.) s_t needs no pass over the vocabulary: s_t = p_t . W c_t = (W^T p_t) . c_t =
+(G_t + W[y_t]) . c_t, from the forward's G, so the block's element-wise work that forms r is one pass
+over z and u (one read each), not a reduction before it.
+
+`_WeightGrad` is differentiable once more: given the cotangent B of grad_W, with u'_t = B h_t and
+s'_t = p_t . u'_t,
 
     d/dg_t = s'_t - u'_t[y_t];  d/dh_t = W^T [g_t p_t * (u'_t - s'_t)] + B^T g_t (p_t - e_{y_t})
     d/dW   = sum_t g_t p_t * (u'_t - s'_t) h_t^T.
@@ -154,14 +158,21 @@ def _logit_grad(logits, lse, targets, grad):
     return (_softmax_minus_target(logits, lse, targets)[1] * grad[:, None].to(lse.dtype)).to(logits.dtype)
 
 
-def _joint_terms(logits, u, lse, targets, grad):
-    """`_JointBackward`'s per-block terms from logits z (R, V) and u = W c (R, V): (r = grad (p - onehot)
-    + p (u - p.u), p - onehot), both (R, V) in logits' dtype."""
+def _joint_terms(logits, u, lse, targets, grad, s):
+    """`_JointBackward`'s per-block terms from logits z (R, V), u = W c (R, V) and s = p.u (R,) in lse's
+    dtype: (r = grad (p - onehot) + p (u - s), p - onehot), both (R, V) in logits' dtype. Element-wise:
+    one read of z and u."""
     p, p_minus = _softmax_minus_target(logits, lse, targets)
-    u = u.to(lse.dtype)
-    s = (p * u).sum(1, keepdim=True)
-    r = p_minus * grad[:, None].to(lse.dtype) + p * (u - s)
+    r = p_minus * grad[:, None].to(lse.dtype) + p * (u.to(lse.dtype) - s[:, None])
     return r.to(logits.dtype), p_minus.to(logits.dtype)
+
+
+def _softmax_dot(grad_dir, weight, targets, cot_dir, dtype: torch.dtype) -> torch.Tensor:
+    """s_t = p_t . (W c_t) (R,) in dtype without a product over the vocabulary: (G_t + W[y_t]) . c_t, since
+    W^T p_t = W^T (p_t - e_{y_t}) + W[y_t] = G_t + W[y_t]. grad_dir G (R, d), weight W (V, d), targets y
+    (R,), cot_dir c (R, d)."""
+    expected = grad_dir.to(dtype) + weight[targets].to(dtype)
+    return (expected * cot_dir.to(dtype)).sum(1)
 
 
 def _weight_grad_second(logits, u, lse, targets, grad):
@@ -278,7 +289,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad_losses = torch.zeros_like(lse)
             want = (want_hidden, want_weight)
             grad_hidden, grad_weight = _JointBackward.apply(
-                hidden, weight, targets, lse, grad_losses, grad_dir_cot, kept, ctx.config, want
+                hidden, weight, targets, lse, grad_dir, grad_losses, grad_dir_cot, kept, ctx.config, want
             )
             return grad_hidden, grad_weight, None, None
         if grad_losses is None:
@@ -359,21 +370,22 @@ class _WeightGrad(torch.autograd.Function):
 
 class _JointBackward(torch.autograd.Function):
     """The backward of a second-order graph, where both outputs of `_LinearCrossEntropy` were reached:
-    (hidden (M, d), weight (V, d), targets, lse (M,), grad_losses g (M,), cot_dir c (M, d), kept logits
-    (M, V) or None) ->
+    (hidden (M, d), weight (V, d), targets, lse (M,), the forward's G (M, d), grad_losses g (M,), cot_dir
+    c (M, d), kept logits (M, V) or None) ->
     (grad_h (M, d) or None, grad_W (V, d) or None) as `want` asks (module docstring). Not
     differentiable: a third derivative is not provided."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, lse, grad_losses, cot_dir, kept, config, want):
+    def forward(ctx, hidden, weight, targets, lse, grad_dir, grad_losses, cot_dir, kept, config, want):
         want_hidden, want_weight = want
         grad_hidden = torch.empty_like(hidden) if want_hidden else None
         grad_weight = torch.zeros_like(weight, dtype=config.loss_dtype) if want_weight else None
         with torch.autocast(hidden.device.type, enabled=False):
             h, w, c = config.cast(hidden), config.cast(weight), config.cast(cot_dir)
             for rows in config.blocks(hidden.shape[0]):
+                s = _softmax_dot(grad_dir[rows], w, targets[rows], c[rows], lse.dtype)
                 r, p_minus = joint_terms(
-                    _logits(kept, h, w, rows), c[rows] @ w.t(), lse[rows], targets[rows], grad_losses[rows]
+                    _logits(kept, h, w, rows), c[rows] @ w.t(), lse[rows], targets[rows], grad_losses[rows], s
                 )
                 if want_hidden:
                     grad_hidden[rows] = r @ w
