@@ -17,6 +17,7 @@ Modes: second (the recipe as configured: exact second order), first (inner.first
 (ttt.enabled=false: the same model without test-time training). Each mode builds the learner afresh,
 runs one warm-up outer step (compilation) and --steps timed ones. One JSON line per mode:
     s_per_step        mean wall time of the timed outer steps (CUDA synchronised)
+    step_s            each timed outer step's wall time (their spread: a one-step figure has none)
     tokens_per_s      tokens of a batch (trainer.meta_batch_size x data.seq_len) / s_per_step
     peak_gib          torch.cuda.max_memory_allocated over the run (warm-up included)
     tokens_in_flight  sequences read side by side in one pass (ttt.sequences_per_pass) x data.seq_len
@@ -28,6 +29,8 @@ runs one warm-up outer step (compilation) and --steps timed ones. One JSON line 
     sources           with --sources: one more step's kernel time by the op, autograd node and
                       line of this project that launched it (`attribute_device_time`; the host's
                       ops recorded too, so that step runs slower)
+    environment       where it ran: GPU, library versions, commit, command, time
+                      (`flashbob.environment.describe`)
 A mode that runs out of memory gives status "oom" and the next mode runs.
 """
 
@@ -42,6 +45,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from flashbob.environment import describe
 from recipes import load_config
 from ttt.config.loading import ConfigError, parse_overrides
 from ttt.meta.sharding import SecondOrderFSDPStrategy
@@ -166,6 +170,7 @@ def measure(overrides: list[str], steps: int, profile: bool = False, sources: bo
     row.update(
         status="ok",
         s_per_step=seconds,
+        step_s=timed,
         first_step_s=timer.first_outer_step(),
         tokens_per_s=rows * seq_len / seconds,
         peak_gib=peak,
@@ -240,9 +245,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {err}", file=sys.stderr)
             return 2 if isinstance(err, ValueError) else 1
         return 0
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    environment = describe(device, "ttt.experiments.scale", argv)
     for mode in modes:
         row = measure(args.overrides + MODES[mode], args.steps, args.profile, args.sources)
-        emit({"mode": mode, **row}, args.out)
+        emit({"mode": mode, **row, "environment": environment}, args.out)
         release()
     return 0
 

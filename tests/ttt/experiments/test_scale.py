@@ -32,6 +32,9 @@ def test_one_row_per_mode_from_the_recipes_training_step(tmp_path, capsys):
     for row in rows:
         assert row["status"] == "ok" and row["sequences"] == 2 and row["seq_len"] == 64
         assert row["s_per_step"] > 0 and row["tokens_per_s"] > 0 and row["model_tflop"] > 0
+        assert row["step_s"] == [row["s_per_step"]]  # one timed step
+        assert row["environment"]["device_type"] == "cpu" and row["environment"]["commit"]
+        assert row["environment"]["command"].startswith("python -m ttt.experiments.scale recipe=ttt_e2e")
         assert row["peak_gib"] is None and row["mfu"] is None  # no CUDA here
         assert row["profile"] is None and row["sources"] is None  # their steps ran; they profile CUDA only
     assert rows[1]["overrides"][-1] == "ttt.enabled=false"
@@ -77,7 +80,7 @@ def test_an_ab_against_a_base_directory_alternates_the_trees_and_sums_up_the_rat
         shutil.copytree(step_ab.this_tree().root + "/" + folder, base / folder,
                         ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
     marked = base / "ttt" / "experiments" / "scale.py"
-    mark = ('emit({"mode": mode, **row}', 'emit({"mode": mode, "copy": 1, **row}')
+    mark = ('emit({"mode": mode, ', 'emit({"mode": mode, "copy": 1, ')
     marked.write_text(marked.read_text().replace(*mark))
     out = tmp_path / "rows.jsonl"
     args = ["recipe=ttt_e2e", "trainer.meta_batch_size=2", "data.seq_len=32", "model.attention=eager"]
