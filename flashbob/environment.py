@@ -53,7 +53,8 @@ def describe(device: torch.device, module: str, args: list[str] | None = None) -
     """Where and how `python -m module ARGS` (or `python script.py ARGS` when module ends in .py) runs
     (args: the command-line arguments; None: sys.argv's):
     device type, name and memory (GiB; None off CUDA), CPU count, python / torch / triton / CUDA
-    versions, commit, the command line and the UTC time."""
+    versions, the CUDA allocator's settings ($PYTORCH_CUDA_ALLOC_CONF, None when unset), commit, the
+    command line and the UTC time."""
     launcher = "python" if module.endswith(".py") else "python -m"
     info = {
         "device_type": device.type,
@@ -64,6 +65,7 @@ def describe(device: torch.device, module: str, args: list[str] | None = None) -
         "torch": torch.__version__,
         "triton": _version("triton"),
         "cuda": torch.version.cuda,
+        "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
         "commit": commit(),
         "command": " ".join([launcher, module, *(sys.argv[1:] if args is None else args)]),
         "utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),

@@ -20,6 +20,8 @@ runs one warm-up outer step (compilation) and --steps timed ones. One JSON line 
     step_s            each timed outer step's wall time (their spread: a one-step figure has none)
     tokens_per_s      tokens of a batch (trainer.meta_batch_size x data.seq_len) / s_per_step
     peak_gib          torch.cuda.max_memory_allocated over the run (warm-up included)
+    alloc_retries     each timed outer step's CUDA allocator retries (`OuterStepTimer.alloc_retries`:
+                      a cache flush and device synchronisation each; None off CUDA)
     tokens_in_flight  sequences read side by side in one pass (ttt.sequences_per_pass) x data.seq_len
     mib_per_token     peak_gib / tokens_in_flight, in MiB
     model_tflop       model FLOPs of one outer step (`model_flops_per_sequence`), in TFLOP
@@ -29,8 +31,8 @@ runs one warm-up outer step (compilation) and --steps timed ones. One JSON line 
     sources           with --sources: one more step's kernel time by the op, autograd node and
                       line of this project that launched it (`attribute_device_time`; the host's
                       ops recorded too, so that step runs slower)
-    environment       where it ran: GPU, library versions, commit, command, time
-                      (`flashbob.environment.describe`)
+    environment       where it ran: GPU, library versions, commit, command, time, the allocator's
+                      settings (`flashbob.environment.describe`)
 A mode that runs out of memory gives status "oom" and the next mode runs.
 """
 
@@ -171,6 +173,7 @@ def measure(overrides: list[str], steps: int, profile: bool = False, sources: bo
         status="ok",
         s_per_step=seconds,
         step_s=timed,
+        alloc_retries=timer.alloc_retries[1 : 1 + steps] if timer.alloc_retries else None,
         first_step_s=timer.first_outer_step(),
         tokens_per_s=rows * seq_len / seconds,
         peak_gib=peak,

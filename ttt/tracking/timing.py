@@ -1,8 +1,9 @@
-"""`OuterStepTimer`: wall time per outer step, wall time of the run and peak accelerator memory, for the run
-summary, and the training time so far as the logged metric `train/time_s` (outer steps only: no
-validation, testing or checkpoint writes), so that runs can be compared at equal training time
-(`python -m ttt.tracking.curves --x time`). Every figure covers the whole run: the timer's state goes into
-the checkpoint, and a resumed session starts from the figures of the sessions before it."""
+"""`OuterStepTimer`: wall time per outer step, wall time of the run, peak accelerator memory and the CUDA
+caching allocator's retries per outer step, for the run summary, and the training time so far as the
+logged metric `train/time_s` (outer steps only: no validation, testing or checkpoint writes), so that runs
+can be compared at equal training time (`python -m ttt.tracking.curves --x time`). Every figure covers the
+whole run: the timer's state goes into the checkpoint, and a resumed session starts from the figures of
+the sessions before it (the retries are this session's)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,13 @@ outer steps, those of the steps averaged (each session's first `warmup` left out
 step, wall seconds up to the checkpoint, and the peak memory (GiB, None off CUDA)."""
 
 
+def _allocator_retries(device: torch.device) -> int:
+    """The CUDA caching allocator's retries on device so far (0 off CUDA)."""
+    if device.type != "cuda":
+        return 0
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
+
+
 def _peak(*values: float | None) -> float | None:
     known = [value for value in values if value is not None]
     return max(known) if known else None
@@ -46,6 +54,11 @@ class OuterStepTimer(pl.Callback):
         """The figures of the sessions before a resume, up to the checkpoint it started from."""
         self.peak_memory_gib: float | None = None
         """Peak allocated CUDA memory of training in GiB over the run, read at train end (None off CUDA)."""
+        self.alloc_retries: list[int] = []
+        """This session's outer steps' CUDA allocator retries, one count a step (empty off CUDA): each retry
+        is an allocation that found no free cached block, so the allocator freed its cache (a device-wide
+        synchronisation and cudaFree) and tried again; a step with many is slowed by fragmentation."""
+        self._retries_before = 0
         self._device: torch.device | None = None
         self._start = 0.0
 
@@ -60,11 +73,14 @@ class OuterStepTimer(pl.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._sync(pl_module)
+        self._retries_before = _allocator_retries(pl_module.device)
         self._start = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._sync(pl_module)
         self.durations.append(time.perf_counter() - self._start)
+        if pl_module.device.type == "cuda":
+            self.alloc_retries.append(_allocator_retries(pl_module.device) - self._retries_before)
         pl_module.log(self.TIME_METRIC, self.training_seconds(), on_step=True, on_epoch=False, batch_size=1)
 
     def training_seconds(self) -> float:

@@ -35,7 +35,8 @@ def test_one_row_per_mode_from_the_recipes_training_step(tmp_path, capsys):
         assert row["step_s"] == [row["s_per_step"]]  # one timed step
         assert row["environment"]["device_type"] == "cpu" and row["environment"]["commit"]
         assert row["environment"]["command"].startswith("python -m ttt.experiments.scale recipe=ttt_e2e")
-        assert row["peak_gib"] is None and row["mfu"] is None  # no CUDA here
+        assert row["peak_gib"] is None and row["mfu"] is None and row["alloc_retries"] is None  # no CUDA here
+        assert "cuda_alloc_conf" in row["environment"]  # the allocator's settings, None when unset
         assert row["profile"] is None and row["sources"] is None  # their steps ran; they profile CUDA only
     assert rows[1]["overrides"][-1] == "ttt.enabled=false"
 

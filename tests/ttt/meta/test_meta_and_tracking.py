@@ -219,6 +219,26 @@ def test_peak_memory_is_read_at_train_end(monkeypatch):
     assert timer.peak_memory_gib == 3.0
 
 
+def test_allocator_retries_are_counted_per_cuda_step(monkeypatch):
+    """Each CUDA outer step records the allocator's retries during it; CPU steps record none."""
+    import types
+
+    from ttt.tracking.timing import OuterStepTimer
+
+    timer, cpu = OuterStepTimer(), types.SimpleNamespace(device=torch.device("cpu"), log=lambda *a, **k: None)
+    timer.on_train_batch_start(None, cpu, None, 0)
+    timer.on_train_batch_end(None, cpu, None, None, 0)
+    assert timer.alloc_retries == [] and len(timer.durations) == 1
+    counts = iter([4, 9, 9, 9])
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: {"num_alloc_retries": next(counts)})
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    gpu = types.SimpleNamespace(device=torch.device("cuda"), log=lambda *a, **k: None)
+    for step in range(2):
+        timer.on_train_batch_start(None, gpu, None, step)
+        timer.on_train_batch_end(None, gpu, None, None, step)
+    assert timer.alloc_retries == [5, 0]
+
+
 class _BareLossLearner(ShiftLearner):
     def outer_loss(self, params, task):
         return (self.forward_with(params, task["xq"]) - task["yq"]).square().mean()
