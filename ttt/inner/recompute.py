@@ -147,39 +147,60 @@ class _Together(contextlib.AbstractContextManager):
         return False
 
 
-def recomputed(fn: Callable[..., Any], *args: Any, module: nn.Module | None) -> Any:
+def recomputed(fn: Callable[..., Any], *args: Any, module: nn.Module | TrainableParameters | None) -> Any:
     """fn(*args), recomputed in the backward instead of keeping its intermediate tensors (module
-    docstring); module: the module whose parameters fn uses (those that need gradients get them), None
+    docstring); module: the module whose parameters fn uses (those that need gradients get them), or
+    its `TrainableParameters` (a caller that runs many regions over one module finds them once), None
     when fn uses no tensor outside args that needs a gradient. Returns fn's outputs (same structure;
     tensors detached from fn's own graph and attached to one recompute node)."""
     leaves, spec = tree_flatten(args)
     tensor_slots = [i for i, leaf in enumerate(leaves) if torch.is_tensor(leaf)]
-    region = _Region(fn, leaves, spec, tensor_slots, module)
-    outputs = _Recomputed.apply(region, *(leaves[i] for i in tensor_slots), *_trainable(module))
+    params = module if isinstance(module, TrainableParameters) else TrainableParameters(module)
+    region = _Region(fn, leaves, spec, tensor_slots, params)
+    outputs = _Recomputed.apply(region, *(leaves[i] for i in tensor_slots), *params.current())
     return region.rebuild_outputs(outputs if isinstance(outputs, tuple) else (outputs,))
 
 
-def _trainable(module: nn.Module | None) -> list[torch.Tensor]:
-    """module's parameters that need gradients, in `parameters()` order (none without a module)."""
-    return [] if module is None else [p for p in module.parameters() if p.requires_grad]
+class TrainableParameters:
+    """A module's parameters that need gradients, in `parameters()` order, and the slots (submodule,
+    name) that hold them, found by one walk of the module's tree. Valid while the module keeps its
+    structure and its parameters' requires_grad flags (a read's chunks); what the slots hold may change
+    (the views a rerun swaps in), and `current` reads it."""
+
+    def __init__(self, module: nn.Module | None):
+        first = [] if module is None else [p for p in module.parameters() if p.requires_grad]
+        index = {id(p): i for i, p in enumerate(first)}
+        self.slots = [
+            (sub, name, index[id(param)])
+            for sub in ([] if module is None else module.modules())
+            for name, param in sub._parameters.items()
+            if param is not None and id(param) in index
+        ]
+        """(submodule, name, position in `current`) of every slot holding one of the parameters (a weight
+        two submodules share has two slots)."""
+        self.count = len(first)
+
+    def current(self) -> list[torch.Tensor]:
+        """What the slots hold now, one tensor per parameter in `parameters()` order: the parameters, or
+        the views of a rerun (`_parameters_as_views`)."""
+        now: list[torch.Tensor | None] = [None] * self.count
+        for sub, name, i in self.slots:
+            if now[i] is None:
+                now[i] = sub._parameters[name]
+        return now
 
 
 @contextlib.contextmanager
-def _parameters_as_views(module: nn.Module | None):
-    """Within the block, each of module's parameters that needs a gradient is replaced by a view of
-    itself (one view per tensor: a weight two submodules share stays shared); yields the views in
-    `_trainable` order. The module gets its own tensors back on leaving."""
-    views = {id(p): p.view_as(p) for p in _trainable(module)}
-    swapped = [
-        (sub, name, param)
-        for sub in ([] if module is None else module.modules())
-        for name, param in sub._parameters.items()
-        if param is not None and id(param) in views
-    ]
-    for sub, name, param in swapped:
-        sub._parameters[name] = views[id(param)]
+def _parameters_as_views(params: TrainableParameters):
+    """Within the block, each of the slots' tensors is replaced by a view of itself (one view per tensor:
+    a weight two submodules share stays shared); yields the views in `current` order. The slots get
+    their tensors back on leaving."""
+    views = [p.view_as(p) for p in params.current()]
+    swapped = [(sub, name, sub._parameters[name]) for sub, name, _ in params.slots]
+    for sub, name, i in params.slots:
+        sub._parameters[name] = views[i]
     try:
-        yield list(views.values())
+        yield views
     finally:
         for sub, name, param in swapped:
             sub._parameters[name] = param
@@ -189,9 +210,9 @@ class _Region:
     """fn and its flattened arguments (the tensor slots filled per run), and the structure of its
     outputs once it has run."""
 
-    def __init__(self, fn, leaves: list, spec, tensor_slots: list[int], module: nn.Module | None):
+    def __init__(self, fn, leaves: list, spec, tensor_slots: list[int], params: TrainableParameters):
         self.fn, self.leaves, self.spec, self.tensor_slots = fn, leaves, spec, tensor_slots
-        self.module = module
+        self.params = params
         self.out_constants: list | None = None
         """The output leaves of the forward run, tensors replaced by `_TENSOR` (no graph kept here)."""
         self.out_spec = None
@@ -246,7 +267,6 @@ class _Recomputed(torch.autograd.Function):
         ctx.region, ctx.autocast = region, _autocast_state()
         ctx.record, ctx.replay = _replay_contexts()
         ctx.save_for_backward(*inputs)
-        ctx.params = tensors[region.inputs :]  # held by their module anyway (or a rerun): no copy to save
         ctx.set_materialize_grads(False)  # an output nothing used (the last chunk's carry) costs nothing
         with torch.enable_grad(), ctx.record:
             out_leaves = region.run(_detached(inputs))
@@ -270,14 +290,9 @@ class _Recomputed(torch.autograd.Function):
             stack.enter_context(torch.enable_grad())
             if create_graph:
                 inputs = [t.view_as(t) if t.requires_grad else t for t in saved]
-                params = stack.enter_context(_parameters_as_views(region.module))
+                params = stack.enter_context(_parameters_as_views(region.params))
             else:
-                inputs, params = _detached(saved), _trainable(region.module)
-            if len(params) != len(ctx.params):
-                raise RuntimeError(
-                    f"recomputed: the module has {len(params)} parameters that need gradients in the "
-                    f"backward, {len(ctx.params)} in the forward; expected the same"
-                )
+                inputs, params = _detached(saved), region.params.current()
             stack.enter_context(ctx.replay)
             outputs = [leaf for leaf in region.run(inputs) if torch.is_tensor(leaf)]
         pairs = [

@@ -13,7 +13,7 @@ loop's config (learnable, warm-up scaled, cast) and its optimizer and clipping.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -68,11 +68,19 @@ def _clipped_lrs(
     for n, g in grads.items():
         row_factor = _per_row(factor, g)
         lr = lrs[n]
-        lr_shape = lr.shape if torch.is_tensor(lr) else ()
-        if torch.broadcast_shapes(lr_shape, row_factor.shape).numel() > factor.numel():
+        if torch.is_tensor(lr) and _broadcast_numel(lr.shape, row_factor.shape) > factor.numel():
             return None
         scaled[n] = lr * row_factor.to(g.dtype)
     return scaled
+
+
+def _broadcast_numel(a: Sequence[int], b: Sequence[int]) -> int:
+    """The number of elements of shapes a and b broadcast together (both broadcastable), by hand: this
+    runs for every fast weight at every inner step, where torch.broadcast_shapes costs the host more."""
+    total = 1
+    for i in range(1, max(len(a), len(b)) + 1):
+        total *= max(a[-i] if i <= len(a) else 1, b[-i] if i <= len(b) else 1)
+    return total
 
 
 def inner_step(

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.func import functional_call
 
 from ttt.inner import InnerLoop, InnerLoopConfig, select_by_glob
+from ttt.inner.functional import shared_parameters, substituted
 from ttt.models.transformer import Transformer
 
 from .config import TTTConfig
@@ -54,6 +54,9 @@ class TTTTransformer(SuffixReader):
         super().__init__(base, ttt, suffix_block, needs=needs)
         self.inner_cfg = inner
         fast = self._select_fast_weights(inner.params)
+        shared = shared_parameters(self, list(fast))
+        if shared:
+            raise ValueError(f"inner.params selects weights that other parameters share (tied): {shared}")
         self.block_params = [
             [(full, full.split(".", 2)[2]) for full in fast if int(full.split(".")[1]) == i]
             for i in range(self.first_suffix, self.cfg.n_layers)
@@ -124,8 +127,8 @@ class TTTTransformer(SuffixReader):
         the caches for the next chunk)."""
         x, new_caches = chunk.inputs, []
         for block, names, cache in zip(self.suffix, self.block_params, caches):
-            params = {inside: fast[full] for full, inside in names}
-            x, cache = functional_call(block, params, (x, chunk.cos, chunk.sin, cache), strict=False)
+            with substituted(block, {inside: fast[full] for full, inside in names}):
+                x, cache = block(x, chunk.cos, chunk.sin, cache)
             new_caches.append(cache)
         return x, new_caches
 

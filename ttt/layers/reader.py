@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import register_pytree_node
 
-from ttt.inner.recompute import recomputed
+from ttt.inner.recompute import TrainableParameters, recomputed
 
 from .config import TTTConfig
 
@@ -169,25 +169,28 @@ class ChunkedReader(nn.Module):
         options = replace(options, checkpoint=recompute)
         n = len(positions)
         span = (self.ttt_cfg.chunk_len * (self.ttt_cfg.checkpoint_segment or 0) if recompute else 0) or n
+        params = TrainableParameters(self) if recompute else None  # found once for every region of the read
         all_logits, all_losses = [], []
         for start in range(0, n, span):
             part = positions.part(start, min(start + span, n))
             if span < n:
                 logits, losses, caches, carry = recomputed(
-                    self._read_span, carry, caches, part, options, module=self
+                    self._read_span, carry, caches, part, options, params, module=params
                 )
             else:
-                logits, losses, caches, carry = self._read_span(carry, caches, part, options)
+                logits, losses, caches, carry = self._read_span(carry, caches, part, options, params)
             all_logits.append(logits)
             all_losses.append(losses)
         logits = torch.cat(all_logits, dim=1) if options.keep_logits else None
         return logits, torch.cat(all_losses, dim=1), caches, carry
 
     def _read_span(
-        self, carry: Carry, caches: list, span: Chunk, options: ReadOptions
-    ) -> tuple[torch.Tensor | None, torch.Tensor, list, Carry]:
+        self, carry: Carry, caches: list, span: Chunk, options: ReadOptions,
+        params: TrainableParameters | None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor, list, Carry]:  # fmt: skip
         """The chunks of a span of positions, from its carry and caches. Each chunk is `recomputed` in the
-        outer backward with options.checkpoint, and cut from the graph without options.outer_grad.
+        outer backward with options.checkpoint (params: this reader's `TrainableParameters` then), and
+        cut from the graph without options.outer_grad.
         Returns (logits (B, S, V) or None, losses (B, S or S - 1), caches, carry)."""
         chunk_len = self.ttt_cfg.chunk_len
         all_logits, all_losses = [], []
@@ -195,7 +198,7 @@ class ChunkedReader(nn.Module):
             chunk = span.part(start, min(start + chunk_len, len(span)))
             if options.checkpoint:
                 logits, losses, caches, carry = recomputed(
-                    self._read_chunk, carry, chunk, caches, options, module=self
+                    self._read_chunk, carry, chunk, caches, options, module=params
                 )
             else:
                 logits, losses, caches, carry = self._read_chunk(carry, chunk, caches, options)

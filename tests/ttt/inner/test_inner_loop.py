@@ -15,6 +15,7 @@ from ttt.inner import (
     meta_step,
     select_parameters,
 )
+from ttt.inner.functional import shared_parameters, substituted
 
 
 def _quadratic(dim=4, seed=0):
@@ -280,6 +281,30 @@ def test_select_parameters_and_its_error():
     assert list(select_parameters(model, ["1.*"])) == ["1.weight", "1.bias"]
     with pytest.raises(ValueError, match="0.weight"):
         select_parameters(model, ["mlp.*"])
+
+
+def test_substituted_parameters_compute_what_functional_forward_does_and_come_back():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    own = dict(model.named_parameters())
+    fast = {"0.weight": torch.randn(4, 3, requires_grad=True), "2.bias": torch.randn(2, requires_grad=True)}
+    x = torch.randn(5, 3)
+    with substituted(model, fast):
+        got = model(x)
+    torch.testing.assert_close(got, functional_forward(model, fast, x), rtol=0, atol=0)
+    assert all(model.get_parameter(name) is param for name, param in own.items())
+    assert torch.autograd.grad(got.sum(), fast["0.weight"])[0].shape == (4, 3)
+    wrong = {**fast, "1.weight": x}  # nn.Tanh has no parameters
+    with pytest.raises(KeyError, match="'1.weight' is not a parameter"), substituted(model, wrong):
+        pass
+    assert all(model.get_parameter(name) is param for name, param in own.items())  # restored after the error
+
+
+def test_shared_parameters_names_the_tied_weights():
+    first, second = nn.Linear(2, 2), nn.Linear(2, 2)
+    second.weight = first.weight
+    model = nn.Sequential(first, second)
+    assert shared_parameters(model, ["0.weight", "0.bias", "1.bias"]) == ["0.weight"]
 
 
 def test_adapt_refuses_to_run_without_grad_mode():
