@@ -92,6 +92,12 @@ class TTTConfig:
     runs of this many chunks as one piece: the outer graph keeps the carry (fast weights, caches) only
     at every checkpoint_segment-th chunk boundary, and a run's chunk carries only while its backward
     runs, for one more forward of each chunk. null: every chunk boundary's carry is kept."""
+    checkpoint_segment_keeps_chunks: bool = False
+    """With checkpoint_segment: the chunks of a run are not recomputed on their own as well: the run's
+    forward and its recomputation in the outer backward hold their chunks' graphs (activations and inner
+    steps of checkpoint_segment chunks, while that run is read or differentiated), so each chunk runs
+    twice an outer step instead of three times (forward, the run's recomputation, and its own). Same
+    losses and gradients."""
 
     def __post_init__(self):
         if self.suffix_len < 1:

@@ -16,7 +16,8 @@ Reading the sequences tokens (B, N) side by side:
 
 With options.outer_grad=False every chunk's outputs and carry are detached (`_detached`: the fast
 weights made fresh leaves), so that evaluation memory stays flat; with options.checkpoint each chunk is
-recomputed in the outer backward, and with ttt.checkpoint_segment = k also each run of k chunks.
+recomputed in the outer backward, and with ttt.checkpoint_segment = k also each run of k chunks (with
+ttt.checkpoint_segment_keeps_chunks, only the runs: their chunks read plainly inside them).
 
 Subclasses: `SuffixReader` (our `Transformer`: prefix once, suffix blocks chunk by chunk) under
 `TTTTransformer` and `NeuralMemoryTransformer`, and `TransformersTTTReader` (a transformers model).
@@ -170,12 +171,14 @@ class ChunkedReader(nn.Module):
         n = len(positions)
         span = (self.ttt_cfg.chunk_len * (self.ttt_cfg.checkpoint_segment or 0) if recompute else 0) or n
         params = TrainableParameters(self) if recompute else None  # found once for every region of the read
+        keeps_chunks = self.ttt_cfg.checkpoint_segment_keeps_chunks  # a run's chunks read plainly inside it
+        in_span = replace(options, checkpoint=False) if keeps_chunks else options
         all_logits, all_losses = [], []
         for start in range(0, n, span):
             part = positions.part(start, min(start + span, n))
             if span < n:
                 logits, losses, caches, carry = recomputed(
-                    self._read_span, carry, caches, part, options, params, module=params
+                    self._read_span, carry, caches, part, in_span, params, module=params
                 )
             else:
                 logits, losses, caches, carry = self._read_span(carry, caches, part, options, params)

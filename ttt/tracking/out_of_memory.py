@@ -15,6 +15,11 @@ MEMORY_KEYS = (
         "one more forward of the prefix blocks (3% of the 125M step, docs/scale.md)",
     ),
     ("inner.checkpoint", True, "one more forward and inner step of every chunk in the outer backward"),
+    (
+        "ttt.checkpoint_segment_keeps_chunks",
+        False,
+        "with segments, one more forward and inner step of every chunk (its own recomputation)",
+    ),
     ("memory.checkpoint", True, "one more forward and write of every chunk in the outer backward"),
     ("trainer.precision", "bf16-mixed", "bf16 products instead of float32"),
 )

@@ -165,7 +165,7 @@ def test_linear_cross_entropy_refuses_mismatched_inputs():
 
 def make_ttt(
     *, fused_loss=False, checkpoint_prefix=False, checkpoint=False, tie=False, first_order=False,
-    vocab=37, n_layers=3, chunk_len=4, segment=None, keep_logits=False,
+    vocab=37, n_layers=3, chunk_len=4, segment=None, keep_logits=False, keeps_chunks=False,
 ):  # fmt: skip
     torch.manual_seed(0)
     cfg = TransformerConfig(
@@ -186,6 +186,7 @@ def make_ttt(
         fused_loss_keeps_logits=keep_logits,
         checkpoint_prefix=checkpoint_prefix,
         checkpoint_segment=segment,
+        checkpoint_segment_keeps_chunks=keeps_chunks,
     )
     inner = InnerLoopConfig(
         params=["layers.*.ttt_mlp.*"],
@@ -318,6 +319,37 @@ def test_segments_keep_the_carry_of_every_kth_chunk_only():
             loss.backward()
         peaks.append(meter.peak_bytes)
     assert kept[1] < 0.6 * kept[0] and peaks[1] < peaks[0], (kept, peaks)
+
+
+@pytest.mark.parametrize("segment, fused_loss", [(2, False), (4, True)])
+def test_segments_that_keep_their_chunks_run_each_chunk_twice_with_the_same_gradients(segment, fused_loss):
+    """ttt.checkpoint_segment_keeps_chunks: the second-order gradients of the plain read (23 tokens in
+    chunks of 4, runs of 2 and 4 chunks, the last shorter), each chunk read twice an outer step (the
+    run's forward and its recomputation) instead of three times, for a higher peak than recomputing the
+    chunks too and a lower one than keeping every chunk's graph."""
+    tokens = torch.randint(0, 37, (2, 23), generator=torch.Generator().manual_seed(3))
+    want_losses, want_grads = losses_and_grads(make_ttt(), tokens)
+    reads, peaks = {}, {}
+    for keeps in (False, True):
+        model = make_ttt(fused_loss=fused_loss, checkpoint=True, segment=segment, keeps_chunks=keeps)
+        calls = []
+
+        def counted(*args, calls=calls, read_chunk=model._read_chunk):
+            calls.append(1)
+            return read_chunk(*args)
+
+        model._read_chunk = counted
+        with LiveTensorMeter() as meter:
+            got_losses, got_grads = losses_and_grads(model, tokens)
+        reads[keeps], peaks[keeps] = len(calls), meter.peak_bytes
+        torch.testing.assert_close(got_losses, want_losses, rtol=1e-12, atol=1e-12)
+        for got, want in zip(got_grads, want_grads):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    chunks = 6  # ceil(23 / 4)
+    assert reads == {False: 3 * chunks, True: 2 * chunks}, reads
+    with LiveTensorMeter() as meter:
+        losses_and_grads(make_ttt(fused_loss=fused_loss), tokens)
+    assert peaks[False] < peaks[True] < meter.peak_bytes, (peaks, meter.peak_bytes)
 
 
 @pytest.mark.parametrize("option", ["fused_loss", "checkpoint_prefix", "checkpoint"])
