@@ -97,7 +97,8 @@ class TTTConfig:
     forward and its recomputation in the outer backward hold their chunks' graphs (activations and inner
     steps of checkpoint_segment chunks, while that run is read or differentiated), so each chunk runs
     twice an outer step instead of three times (forward, the run's recomputation, and its own). Same
-    losses and gradients."""
+    losses and gradients. Needs checkpoint_segment (a ValueError without); without chunk recomputation
+    (inner.checkpoint) there are no runs, and it changes nothing."""
 
     def __post_init__(self):
         if self.suffix_len < 1:
@@ -117,6 +118,11 @@ class TTTConfig:
         if self.checkpoint_segment is not None and self.checkpoint_segment < 1:
             raise ValueError(
                 f"ttt.checkpoint_segment must be a positive int or null, got {self.checkpoint_segment}"
+            )
+        if self.checkpoint_segment_keeps_chunks and self.checkpoint_segment is None:
+            raise ValueError(
+                "ttt.checkpoint_segment_keeps_chunks=true needs ttt.checkpoint_segment (runs of chunks), "
+                "got null"
             )
         if not 0 <= self.lr_warmup_start <= 1:
             raise ValueError(f"ttt.lr_warmup_start must be in [0, 1], got {self.lr_warmup_start}")

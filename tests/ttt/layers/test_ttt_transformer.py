@@ -252,6 +252,8 @@ def test_bad_settings_fail_clearly():
         TTTTransformer(base, TTTConfig(suffix_len=9), InnerLoopConfig(params=EXTRA))
     with pytest.raises(ValueError, match="ttt.chunk_len"):
         TTTConfig(chunk_len=0)
+    with pytest.raises(ValueError, match="checkpoint_segment_keeps_chunks=true needs ttt.checkpoint_segment"):
+        TTTConfig(checkpoint_segment_keeps_chunks=True)
     with pytest.raises(TypeError, match="Transformer"):
         TTTTransformer(torch.nn.Linear(2, 2), TTTConfig(), InnerLoopConfig(params=EXTRA))
 
